@@ -1,0 +1,103 @@
+"""Recorder of collectives issued by the engine (ours and FSDP2's, via its comm hooks).
+
+Byte convention (also used by the cost model): ``nbytes`` is the size of the whole
+collective buffer: the all-gather OUTPUT, the reduce-scatter INPUT, the all-reduce or
+broadcast tensor. Per-rank traffic of a ring is ``nbytes * (n - 1) / n`` for AG/RS and
+twice that for AR; the cost model derives it, the recorder records the buffer only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    op: str  # one of OPS
+    dim: str  # mesh dim name: "p", "g", "os", "rep", or "shard" (p x g x os flattened)
+    group_size: int
+    nbytes: int  # see module docstring
+    inter_node: bool  # True when the group's ranks are on more than one node
+    phase: str  # "forward", "backward", "sync" (last-backward grad sync), "step", "other"
+    seconds: float = 0.0  # issue -> completion as seen by the issuing thread (0 if unknown)
+
+    def key(self) -> tuple:
+        """What a schedule comparison looks at (no timing)."""
+        return (self.op, self.dim, self.group_size, self.nbytes, self.inter_node, self.phase)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class CommRecorder:
+    """Collects CommEvents while active. Use via ``record_comms()``."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+        self._lock = threading.Lock()
+
+    def add(self, event: CommEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+    def summary(self) -> dict[tuple[str, str], dict[str, float]]:
+        """{(op, dim): {"count", "bytes", "seconds"}} over recorded events."""
+        out: dict[tuple[str, str], dict[str, float]] = {}
+        for e in self.events:
+            row = out.setdefault((e.op, e.dim), {"count": 0, "bytes": 0, "seconds": 0.0})
+            row["count"] += 1
+            row["bytes"] += e.nbytes
+            row["seconds"] += e.seconds
+        return out
+
+    def bytes_by_locality(self) -> dict[str, int]:
+        out = {"intra": 0, "inter": 0}
+        for e in self.events:
+            out["inter" if e.inter_node else "intra"] += e.nbytes
+        return out
+
+
+_active: list[CommRecorder] = []
+
+
+def active_recorders() -> list[CommRecorder]:
+    return list(_active)
+
+
+def emit(event: CommEvent) -> None:
+    for recorder in _active:
+        recorder.add(event)
+
+
+@contextlib.contextmanager
+def record_comms(recorder: CommRecorder | None = None) -> Iterator[CommRecorder]:
+    """``with record_comms() as rec: ...`` records every collective the engine issues."""
+    rec = recorder or CommRecorder()
+    _active.append(rec)
+    try:
+        yield rec
+    finally:
+        _active.remove(rec)
+
+
+class Timer:
+    """Wall time from issue to completion; used by the collectives wrappers."""
+
+    __slots__ = ("start",)
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
