@@ -1,0 +1,305 @@
+"""Communication model: the per-step schedule of collectives for a plan, and its time.
+
+The schedule is the one the engine issues (team brief, "Exact per-step schedule"), per FSDP
+unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
+
+  s_p > 1, every micro-batch:   AG over "p"  nbytes padded(U,s_p)   forward
+                                AG over "p"  nbytes padded(U,s_p)   backward (not the root
+                                             unit; not with reshard_after_forward=False)
+                                RS over "p"  nbytes padded(U,s_p)   backward
+  s_g > s_p, every micro-batch: RS over "g"  nbytes padded(U,s_g)/s_p  backward ("sync" on
+                                             the last micro-batch)
+  last micro-batch (sync):      s_g == s_os:        AR over "rep" padded(U,s_os)/s_os
+                                s_g == s_p < s_os:  RS over "os"  padded(U,s_os)/s_p,
+                                                    AR over "rep" padded(U,s_os)/s_os
+                                (AR only when W/s_os > 1)
+  after step, s_os > s_p:       AG over "g" (s_g > s_p) or "os": padded(U,s_os)/s_p  step
+  clip_grad_norm_:              AR over "shard" (s_os ranks) of 4 bytes               step
+
+These are the paper's four terms (PAPER.md, "Communication model"): T_p = the "p" traffic
+(M*L*[2*t(AG) + t(RS)]), T_g = the "g" reduce-scatters of the first M-1 micro-batches (the
+paper's all-reduce of buckets; a reduce-scatter here), T_os0 = the once-per-step sync across
+replicas, T_os1 = the all-gather of updated params over the OS subgroup (the paper's
+broadcast, same bytes).
+
+Rank layout (mesh order, "p" innermost): rank = rep_i*s_os + os_i*s_g + g_i*s_p + p_i,
+so every group is an arithmetic progression of ranks: "p" stride 1, "g" stride s_p, "os"
+stride s_g, "rep" stride s_os, "shard" stride 1 (size s_os). Node = rank // ranks_per_node.
+
+Time of one collective, t(op, nbytes, group): either the alpha-beta ring model (AlphaBeta)
+or the paper's way, a measured effective-bandwidth table interpolated in log(size) per op
+and group shape (cost/bandwidth.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Iterable, Protocol, Sequence, Union
+
+from ..plan import ResolvedPlan, ShardingPlan
+from .padding import padded_numel
+
+__all__ = [
+    "GroupShape",
+    "PlannedComm",
+    "group_shape",
+    "dim_group",
+    "predicted_events",
+    "event_counter",
+    "recorded_counter",
+    "TimeModel",
+    "AlphaBeta",
+    "step_comm_time",
+    "time_breakdown",
+    "bytes_by_locality",
+]
+
+Shapes = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """A process group as the cost model sees it: an arithmetic progression of ranks."""
+
+    size: int  # ranks in the group
+    stride: int  # rank distance between group neighbours
+    ranks_per_node: int  # s0: group ranks on one node
+    nodes: int  # s1: nodes the group spans
+
+    @property
+    def inter_node(self) -> bool:
+        return self.nodes > 1
+
+
+def group_shape(size: int, stride: int, world_size: int, ranks_per_node: int) -> GroupShape:
+    """Shape of the groups {b, b+stride, ..} of `size` ranks tiling the world (worst group)."""
+    nodes = 1
+    for base in range(world_size):
+        if (base // stride) % size:
+            continue  # not the first rank of its group
+        spanned = {(base + i * stride) // ranks_per_node for i in range(size)}
+        nodes = max(nodes, len(spanned))
+    return GroupShape(size, stride, max(1, size // nodes), nodes)
+
+
+def dim_group(plan: ResolvedPlan, dim: str) -> GroupShape:
+    """The group of one mesh dim of a plan (see the module docstring for the layout)."""
+    W, R = plan.world_size, plan.ranks_per_node
+    size_stride = {
+        "p": (plan.s_p, 1),
+        "g": (plan.s_g // plan.s_p, plan.s_p),
+        "os": (plan.s_os // plan.s_g, plan.s_g),
+        "rep": (W // plan.s_os, plan.s_os),
+        "shard": (plan.s_os, 1),
+    }
+    if dim not in size_stride:
+        raise ValueError(f"unknown mesh dim {dim!r}; expected one of {sorted(size_stride)}")
+    size, stride = size_stride[dim]
+    return group_shape(size, stride, W, R)
+
+
+@dataclass(frozen=True)
+class PlannedComm:
+    """One kind of collective in a step, issued `count` times (same fields as CommEvent)."""
+
+    op: str
+    dim: str
+    group_size: int
+    nbytes: int
+    inter_node: bool
+    phase: str
+    count: int = 1
+    unit: int = -1  # FSDP unit index (-1: not per unit)
+    stride: int = 1  # rank stride of the group (for bandwidth-table lookup)
+    group_nodes: int = 1  # nodes the group spans
+
+    def key(self) -> tuple:
+        """Matches CommEvent.key(): (op, dim, group_size, nbytes, inter_node, phase)."""
+        return (self.op, self.dim, self.group_size, self.nbytes, self.inter_node, self.phase)
+
+    @property
+    def group(self) -> GroupShape:
+        return GroupShape(
+            self.group_size, self.stride, self.group_size // self.group_nodes, self.group_nodes
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.nbytes * self.count
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _as_resolved(plan, world_size=None, ranks_per_node=None) -> ResolvedPlan:
+    if isinstance(plan, ResolvedPlan):
+        return plan
+    if isinstance(plan, ShardingPlan):
+        if world_size is None:
+            raise ValueError("a ShardingPlan needs world_size (and ranks_per_node) to resolve")
+        return plan.resolve(world_size, ranks_per_node or world_size)
+    raise TypeError(f"plan must be a ResolvedPlan or ShardingPlan, got {type(plan).__name__}")
+
+
+def predicted_events(
+    plan: Union[ResolvedPlan, ShardingPlan],
+    unit_param_shapes: Sequence[Shapes],
+    micro_batches: int,
+    dtype_bytes: int,
+    root_unit_index: int,
+    reshard_after_forward: Union[bool, int] = True,
+    clip: bool = False,
+    *,
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+) -> list[PlannedComm]:
+    """The collectives of one optimizer step (M micro-batches), per unit, with counts.
+
+    plan: a ResolvedPlan (or a ShardingPlan plus world_size/ranks_per_node).
+    unit_param_shapes: for each FSDP unit, the shapes of its params (dim0 first).
+    dtype_bytes: e, the element size of the param dtype (2 bf16, 4 fp32).
+    root_unit_index: index of the root unit in unit_param_shapes (kept unsharded after
+      forward by FSDP2, so it has no backward all-gather); -1 or None if there is none.
+    reshard_after_forward: True (default), False (no backward AG), or an int k (ZeRO++ hpZ:
+      the backward AG runs over the k contiguous ranks that keep a secondary copy).
+    clip: add clip_grad_norm_'s scalar all-reduce.
+    Use event_counter() to compare with a recorder's events.
+    """
+    p = _as_resolved(plan, world_size, ranks_per_node)
+    M = int(micro_batches)
+    if M < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    e = int(dtype_bytes)
+    W = p.world_size
+    groups = {dim: dim_group(p, dim) for dim in ("p", "g", "os", "rep", "shard")}
+    out: list[PlannedComm] = []
+
+    def add(op, dim, nbytes, phase, count, unit, group=None):
+        if count <= 0:
+            return
+        g = group or groups[dim]
+        out.append(
+            PlannedComm(op, dim, g.size, int(nbytes), g.inter_node, phase, count, unit,
+                        g.stride, g.nodes)
+        )
+
+    for u, shapes in enumerate(unit_param_shapes):
+        pad_p = e * padded_numel(shapes, p.s_p)
+        pad_g = e * padded_numel(shapes, p.s_g)
+        pad_os = e * padded_numel(shapes, p.s_os)
+        is_root = root_unit_index is not None and u == root_unit_index % len(unit_param_shapes)
+        if p.s_p > 1:
+            add("all_gather", "p", pad_p, "forward", M, u)
+            if not is_root and reshard_after_forward is not False:
+                if reshard_after_forward is True or int(reshard_after_forward) == p.s_p:
+                    add("all_gather", "p", pad_p, "backward", M, u)
+                elif int(reshard_after_forward) > 1:
+                    k = int(reshard_after_forward)
+                    add("all_gather", "p", pad_p, "backward", M, u,
+                        group_shape(k, 1, W, p.ranks_per_node))
+            add("reduce_scatter", "p", pad_p, "backward", M, u)
+        if p.s_g > p.s_p:
+            add("reduce_scatter", "g", pad_g // p.s_p, "backward", M - 1, u)
+            add("reduce_scatter", "g", pad_g // p.s_p, "sync", 1, u)
+        if p.s_g == p.s_p < p.s_os:
+            add("reduce_scatter", "os", pad_os // p.s_p, "sync", 1, u)
+        if W // p.s_os > 1:
+            add("all_reduce", "rep", pad_os // p.s_os, "sync", 1, u)
+        if p.s_os > p.s_p:
+            add("all_gather", "g" if p.s_g > p.s_p else "os", pad_os // p.s_p, "step", 1, u)
+    if clip and p.s_os > 1:
+        add("all_reduce", "shard", 4, "step", 1, -1)
+    return out
+
+
+def event_counter(events: Iterable[PlannedComm]) -> Counter:
+    """Counter of key() -> occurrences, expanding counts (compare to recorded_counter)."""
+    c: Counter = Counter()
+    for ev in events:
+        c[ev.key()] += ev.count
+    return c
+
+
+def recorded_counter(events: Iterable) -> Counter:
+    """Counter of a recorder's CommEvents (anything with .key())."""
+    return Counter(ev.key() for ev in events)
+
+
+def bytes_by_locality(events: Iterable[PlannedComm]) -> dict[str, int]:
+    """Buffer bytes per step, split intra/inter node (recorder convention)."""
+    out = {"intra": 0, "inter": 0}
+    for ev in events:
+        out["inter" if ev.inter_node else "intra"] += ev.total_bytes
+    return out
+
+
+class TimeModel(Protocol):
+    def time(self, op: str, nbytes: int, group: GroupShape) -> float: ...
+
+
+# Ring algorithm traffic per rank as a multiple of the buffer bytes (nbytes convention of
+# the recorder: AG output, RS input, AR tensor, BC tensor), and latency steps.
+def ring_factor(op: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    raise ValueError(f"unknown op {op!r}")
+
+
+def ring_steps(op: str, n: int) -> int:
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if op == "all_reduce" else (n - 1)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """t = steps(op, n) * alpha + ring_factor(op, n) * nbytes / bandwidth.
+
+    Defaults describe the paper's cluster (A800, NVLink ~150 GB/s bus bandwidth per GPU in a
+    node; 4x HDR IB = 100 GB/s per node of 8, i.e. 12.5 GB/s per GPU across nodes). A group
+    that spans nodes runs at the inter-node per-GPU share (every rank of a node communicates
+    at once in the schedule, so they share the node's NICs).
+    """
+
+    intra_bw: float = 150e9
+    inter_bw: float = 12.5e9
+    intra_alpha: float = 5e-6
+    inter_alpha: float = 15e-6
+
+    def time(self, op: str, nbytes: int, group: GroupShape) -> float:
+        n = group.size
+        if n <= 1:
+            return 0.0
+        bw = self.inter_bw if group.inter_node else self.intra_bw
+        alpha = self.inter_alpha if group.inter_node else self.intra_alpha
+        return ring_steps(op, n) * alpha + ring_factor(op, n) * nbytes / bw
+
+
+def step_comm_time(events: Iterable[PlannedComm], model: TimeModel) -> float:
+    """Sum of count * t(op, nbytes, group): the paper's T_comm with no overlap."""
+    return sum(ev.count * model.time(ev.op, ev.nbytes, ev.group) for ev in events)
+
+
+def time_breakdown(events: Iterable[PlannedComm], model: TimeModel) -> dict[str, float]:
+    """The paper's terms: T_p, T_g, T_os0 (sync), T_os1 (param all-gather after step)."""
+    out = {"T_p": 0.0, "T_g": 0.0, "T_os0": 0.0, "T_os1": 0.0, "T_other": 0.0}
+    for ev in events:
+        t = ev.count * model.time(ev.op, ev.nbytes, ev.group)
+        if ev.dim == "p":
+            out["T_p"] += t
+        elif ev.phase == "backward":
+            out["T_g"] += t
+        elif ev.phase == "sync":
+            out["T_os0"] += t
+        elif ev.phase == "step" and ev.op == "all_gather":
+            out["T_os1"] += t
+        else:
+            out["T_other"] += t
+    return out
