@@ -1,0 +1,119 @@
+"""Every collective the engine issues goes through here, so the recorder sees it.
+
+Our own gradient and optimizer-state paths call ``Collectives``; FSDP2's parameter path
+is observed through its custom-comm hooks (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``) with subclasses of its default implementations that only
+add recording. All reductions are plain SUM: gloo rejects PREMUL_SUM/AVG-style ops, and
+the engine applies the gradient divide factor once, on the fp32 master grads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+
+from .mesh import MeshInfo
+from .observe.recorder import CommEvent, Timer, active_recorders, emit
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class PendingComm:
+    """An issued async collective; ``wait()`` completes it and records it."""
+
+    __slots__ = ("work", "event_args", "timer", "result")
+
+    def __init__(self, work, event_args: dict | None, result: torch.Tensor):
+        self.work = work
+        self.event_args = event_args
+        self.timer = Timer()
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.event_args is not None:
+            emit(CommEvent(seconds=self.timer.elapsed(), **self.event_args))
+            self.event_args = None
+        return self.result
+
+
+class Collectives:
+    """Collectives over named dims of one AMSP mesh, recorded as CommEvents."""
+
+    def __init__(self, info: MeshInfo):
+        self.info = info
+        self._inter = {d: info.crosses_nodes(d) for d in ("rep", "p", "g", "os", "shard")}
+
+    def _event_args(self, op: str, dim: str, nbytes: int, phase: str) -> dict | None:
+        if not active_recorders():
+            return None
+        return dict(
+            op=op,
+            dim=dim,
+            group_size=self.info.size(dim),
+            nbytes=nbytes,
+            inter_node=self._inter[dim],
+            phase=phase,
+        )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
+        work = dist.all_gather_into_tensor(
+            output, input, group=self.info.group(dim), async_op=True
+        )
+        return PendingComm(work, self._event_args("all_gather", dim, _nbytes(output), phase), output)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
+        work = dist.reduce_scatter_tensor(
+            output, input, op=dist.ReduceOp.SUM, group=self.info.group(dim), async_op=True
+        )
+        return PendingComm(
+            work, self._event_args("reduce_scatter", dim, _nbytes(input), phase), output
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, dim: str, phase: str, op=dist.ReduceOp.SUM):
+        work = dist.all_reduce(tensor, op=op, group=self.info.group(dim), async_op=True)
+        return PendingComm(work, self._event_args("all_reduce", dim, _nbytes(tensor), phase), tensor)
+
+
+def _fsdp_phase() -> str:
+    # FSDP all-gathers in forward and (after resharding) again in backward; a graph task
+    # is running only during backward.
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+class RecordingAllGather(DefaultAllGather):
+    """FSDP2's default all-gather plus a CommEvent over the "p" dim."""
+
+    def __init__(self, collectives: Collectives):
+        self.collectives = collectives
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        args = self.collectives._event_args("all_gather", "p", _nbytes(output_tensor), _fsdp_phase())
+        timer = Timer()
+        work = super().__call__(output_tensor, input_tensor, group, async_op)
+        if args is not None:
+            emit(CommEvent(seconds=0.0 if async_op else timer.elapsed(), **args))
+        return work
+
+
+class RecordingReduceScatter(DefaultReduceScatter):
+    """FSDP2's default reduce-scatter plus a CommEvent over the "p" dim."""
+
+    def __init__(self, collectives: Collectives):
+        self.collectives = collectives
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        args = self.collectives._event_args("reduce_scatter", "p", _nbytes(input_tensor), "backward")
+        timer = Timer()
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if args is not None:
+            emit(CommEvent(seconds=0.0 if async_op else timer.elapsed(), **args))
+        return work

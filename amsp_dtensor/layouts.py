@@ -1,0 +1,132 @@
+"""Where P, G and OS live: DTensor placements on the ("rep", "p", "g", "os") mesh, and
+the row arithmetic that packs them into flat collective buffers.
+
+    state   placements on (rep, p, g, os)                 held per rank
+    P       (Replicate, Shard(0), Replicate, Replicate)   1/s_p of each param
+    G       (Partial,   Shard(0), Shard(0),  Partial)     1/s_g, partial sums until the
+                                                          last backward of a step
+    OS      (Replicate, Shard(0), Shard(0),  Shard(0))    1/s_os: fp32 master + states;
+                                                          also G after the step's sync
+
+Shard(0) on several mesh dims nests in mesh-dim order (DTensor's rule): a param's rows are
+chunked over "p" first, then each P chunk over "g", then over "os". So a rank's G and OS
+rows always lie inside its own P rows (PAPER.md, dependency rules) and moving between the
+layouts never needs data from another P shard.
+
+Chunking follows torch.chunk/DTensor: n rows over k ranks gives chunks of ceil(n/k) rows,
+the last ones shorter or empty. Collectives need equal-sized per-rank pieces, so each
+chunk travels in a slot of ``cap`` rows (zero padded): at most one row of padding per
+tensor per rank beyond the ideal share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+P_PLACEMENTS = (Replicate(), Shard(0), Replicate(), Replicate())
+G_PLACEMENTS = (Partial(), Shard(0), Shard(0), Partial())
+OS_PLACEMENTS = (Replicate(), Shard(0), Shard(0), Shard(0))
+
+__all__ = [
+    "P_PLACEMENTS",
+    "G_PLACEMENTS",
+    "OS_PLACEMENTS",
+    "chunk_rows",
+    "ParamRows",
+    "FlatLayout",
+]
+
+
+def chunk_rows(n_rows: int, k: int) -> list[tuple[int, int]]:
+    """(start, length) of each of k chunks of n rows, torch.chunk / DTensor style."""
+    size = math.ceil(n_rows / k) if n_rows else 0
+    return [(min(i * size, n_rows), max(0, min(size, n_rows - i * size))) for i in range(k)]
+
+
+@dataclass(frozen=True)
+class ParamRows:
+    """One tensor's rows inside a flat buffer: ``rows`` real rows in a slot of ``cap``."""
+
+    rows: int
+    cap: int
+    cols: int  # elements per row (numel / dim0)
+
+    @property
+    def slot_numel(self) -> int:
+        return self.cap * self.cols
+
+
+class FlatLayout:
+    """A unit's tensors laid end to end, each in a slot of ``cap`` rows.
+
+    ``split(k, index)`` gives the layout of one of k sub-chunks (what rank ``index`` of a
+    k-rank subgroup keeps after a reduce-scatter), and ``pack``/``unpack`` move data
+    between a whole-layout buffer and the [k, sub-layout] buffer a collective wants.
+    """
+
+    def __init__(self, params: list[ParamRows]):
+        self.params = params
+        self.offsets = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.slot_numel
+        self.numel = offset
+
+    @staticmethod
+    def for_shapes(shapes: list[torch.Size], rows: list[int] | None = None, caps=None):
+        params = []
+        for i, shape in enumerate(shapes):
+            dim0 = shape[0] if len(shape) else 1
+            cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+            r = dim0 if rows is None else rows[i]
+            c = r if caps is None else caps[i]
+            params.append(ParamRows(r, c, cols))
+        return FlatLayout(params)
+
+    def split(self, k: int, index: int) -> "FlatLayout":
+        subs = []
+        for p in self.params:
+            _, length = chunk_rows(p.rows, k)[index]
+            subs.append(ParamRows(length, math.ceil(p.cap / k), p.cols))
+        return FlatLayout(subs)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """(rows, cols) views of the real rows of each tensor in ``flat``."""
+        return [
+            flat[off : off + p.rows * p.cols].view(p.rows, p.cols)
+            for off, p in zip(self.offsets, self.params)
+        ]
+
+    def pack(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        """[k, sub.numel] buffer: row i holds sub-chunk i of every tensor, zero padded."""
+        sub_numel = sum(math.ceil(p.cap / k) * p.cols for p in self.params)
+        out = flat.new_zeros(k, sub_numel)
+        sub_off = 0
+        for src, p in zip(self.views(flat), self.params):
+            sub_cap = math.ceil(p.cap / k)
+            for i, (start, length) in enumerate(chunk_rows(p.rows, k)):
+                if length:
+                    out[i, sub_off : sub_off + length * p.cols].copy_(
+                        src[start : start + length].reshape(-1)
+                    )
+            sub_off += sub_cap * p.cols
+        return out
+
+    def unpack_into(self, gathered: torch.Tensor, k: int, dests: list[torch.Tensor]) -> None:
+        """Inverse of pack: write the [k, sub.numel] buffer's chunks into ``dests``
+        ((rows, cols)-viewable tensors, one per param, possibly of another dtype)."""
+        sub_off = 0
+        for dest, p in zip(dests, self.params):
+            dest_rows = dest.view(p.rows, p.cols)
+            sub_cap = math.ceil(p.cap / k)
+            for i, (start, length) in enumerate(chunk_rows(p.rows, k)):
+                if length:
+                    dest_rows[start : start + length].copy_(
+                        gathered[i, sub_off : sub_off + length * p.cols].view(length, p.cols)
+                    )
+            sub_off += sub_cap * p.cols

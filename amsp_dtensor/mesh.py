@@ -1,0 +1,163 @@
+"""One DeviceMesh per plan, with the P group innermost in rank order (inside a node).
+
+Mesh dims, in DTensor order: ("rep", "p", "g", "os") with sizes
+(W/s_os, s_p, s_g/s_p, s_os/s_g). DTensor splits a tensor dim over several mesh dims in
+mesh-dim order, so putting "p" before "g" and "os" makes every G/OS shard a sub-chunk of
+the rank's own P shard (the paper's nesting rule). Rank order is a different matter: ranks
+are numbered node by node, and we want the P group contiguous (intra-node), so the rank
+tensor is arange(W).reshape(rep, os, g, p) permuted to (rep, p, g, os):
+
+    rank = rep_i * s_os + os_i * s_g + g_i * s_p + p_i
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .plan import ResolvedPlan, ShardingPlan
+
+MESH_DIMS = ("rep", "p", "g", "os")
+
+__all__ = ["MESH_DIMS", "init_mesh", "MeshInfo", "mesh_info"]
+
+
+@dataclass
+class MeshInfo:
+    """What the engine needs to know about an AMSP mesh beyond the DeviceMesh."""
+
+    mesh: DeviceMesh
+    plan: ResolvedPlan
+    _groups: dict = field(default_factory=dict)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.plan.ranks_per_node
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """Process group of a mesh dim, or "shard" = p x g x os (one full model copy)."""
+        if dim not in self._groups:
+            if dim == "shard":
+                self._groups[dim] = self.mesh["p", "g", "os"]._flatten("shard").get_group()
+            else:
+                self._groups[dim] = self.mesh[dim].get_group()
+        return self._groups[dim]
+
+    def size(self, dim: str) -> int:
+        if dim == "shard":
+            return self.plan.s_os
+        return self.plan.mesh_shape[dim]
+
+    def crosses_nodes(self, dim: str) -> bool:
+        ranks = dist.get_process_group_ranks(self.group(dim))
+        return len({r // self.ranks_per_node for r in ranks}) > 1
+
+    @property
+    def os_subgroup_dim(self) -> str | None:
+        """The dim that splits one P shard into OS shards (s_os/s_p ranks), if any.
+
+        One of "g"/"os" always has size 1 (s_g is s_p or s_os), so the OS subgroup is
+        just the other one.
+        """
+        if self.plan.s_os == self.plan.s_p:
+            return None
+        return "g" if self.plan.s_g > self.plan.s_p else "os"
+
+
+_MESH_INFO: "weakref.WeakKeyDictionary[DeviceMesh, MeshInfo]" = weakref.WeakKeyDictionary()
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ranks_per_node_from_env(world_size: int) -> int:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        warnings.warn(
+            "LOCAL_WORLD_SIZE is not set (not launched by torchrun?): assuming all "
+            f"{world_size} ranks are on one node; pass ranks_per_node= to say otherwise"
+        )
+        return world_size
+    return int(value)
+
+
+def init_mesh(
+    plan: ShardingPlan | ResolvedPlan,
+    ranks_per_node: int | None = None,
+    device_type: str | None = None,
+) -> DeviceMesh:
+    """Build the AMSP DeviceMesh for ``plan`` over the default process group.
+
+    ``ranks_per_node`` defaults to LOCAL_WORLD_SIZE (torchrun sets it). The process
+    group must already be initialised (``dist.init_process_group``).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_mesh needs an initialised default process group: call "
+            "torch.distributed.init_process_group first (torchrun sets the env for it)"
+        )
+    world_size = dist.get_world_size()
+    if ranks_per_node is None:
+        ranks_per_node = _ranks_per_node_from_env(world_size)
+    if isinstance(plan, ResolvedPlan):
+        if plan.world_size != world_size or plan.ranks_per_node != ranks_per_node:
+            raise ValueError(
+                f"plan was resolved for world {plan.world_size} x {plan.ranks_per_node} per "
+                f"node, but this job has {world_size} ranks, {ranks_per_node} per node"
+            )
+        resolved = plan
+    elif isinstance(plan, ShardingPlan):
+        resolved = plan.resolve(world_size, ranks_per_node)
+    else:
+        raise TypeError(
+            f"plan must be amsp.ShardingPlan (or a resolved plan), got {type(plan).__name__}"
+        )
+    device_type = device_type or _default_device_type()
+    shape = resolved.mesh_shape
+    rank_tensor = (
+        torch.arange(world_size)
+        .reshape(shape["rep"], shape["os"], shape["g"], shape["p"])
+        .permute(0, 3, 2, 1)
+        .contiguous()
+    )
+    mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=MESH_DIMS)
+    info = MeshInfo(mesh, resolved)
+    # Make every group now: group creation is collective, so doing it lazily (say, at the
+    # first clip_grad_norm_) would hang if one rank got there by another path.
+    for dim in (*MESH_DIMS, "shard"):
+        info.group(dim)
+    _MESH_INFO[mesh] = info
+    return mesh
+
+
+def mesh_info(mesh: DeviceMesh, plan: ShardingPlan | ResolvedPlan | None = None) -> MeshInfo:
+    """The MeshInfo of a mesh made by init_mesh, checked against ``plan`` if given."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh from amsp.init_mesh, got {type(mesh).__name__}")
+    info = _MESH_INFO.get(mesh)
+    if info is None:
+        raise ValueError(
+            f"mesh {mesh.mesh_dim_names} was not made by amsp.init_mesh(plan): build it with "
+            "amsp.init_mesh so its dims match the plan"
+        )
+    if plan is not None:
+        if isinstance(plan, ShardingPlan):
+            want = plan.resolve(info.plan.world_size, info.plan.ranks_per_node)
+        elif isinstance(plan, ResolvedPlan):
+            want = plan
+        else:
+            raise TypeError(f"plan must be amsp.ShardingPlan, got {type(plan).__name__}")
+        got = info.plan
+        if (want.s_p, want.s_g, want.s_os) != (got.s_p, got.s_g, got.s_os):
+            raise ValueError(
+                f"plan {want.name} does not match the mesh, which was built for {got.name}: "
+                "pass the same plan to init_mesh and fully_shard"
+            )
+    return info

@@ -1,0 +1,31 @@
+"""Bytes this rank holds per state kind, read from the actual tensors."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..state import find_state
+
+
+def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
+    """{"param", "grad", "optim"} bytes on this rank.
+
+    param: P storage (FSDP's padded shard, or the full param when s_p = 1);
+    grad: G buffers alive now (accumulating and/or synced);
+    optim: fp32 masters plus optimizer states shaped like them (0 without optimizer).
+    """
+    state = find_state(model)
+    param = grad = 0
+    for unit in state.units:
+        if unit.uses_fsdp:
+            group = unit.module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params:
+                data = fsdp_param._sharded_param_data
+                param += data.numel() * data.element_size()
+        else:
+            param += sum(p.numel() * p.element_size() for p in unit.params)
+        for buf in (unit.grad_accum, unit.grad_synced):
+            if buf is not None:
+                grad += buf.numel() * buf.element_size()
+    optim = optimizer.memory_bytes() if optimizer is not None else 0
+    return {"param": param, "grad": grad, "optim": optim}

@@ -1,0 +1,316 @@
+"""AMSPOptimizer: fp32 master weights and optimizer states in the OS layout.
+
+Each param gets an fp32 master DTensor with OS placements (layouts.OS_PLACEMENTS): this
+rank's 1/s_os of the rows, a sub-chunk of its own P shard, so building it needs no
+communication. Any torch optimizer runs on these DTensors, so its states (exp_avg, ...)
+come out as DTensors in the same layout. After ``step()`` the new weights go back to the
+P shards: an all-gather over the OS subgroup (s_os/s_p ranks holding the same P shard),
+issued async and completed by each unit's forward pre-hook, so it overlaps the next
+forward (PAPER.md, "updated-param broadcast overlaps the next step's forward").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .layouts import OS_PLACEMENTS, chunk_rows
+from .state import AMSPState, AMSPUnit, find_state
+
+__all__ = ["AMSPOptimizer", "finish_param_update"]
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _os_index(unit: AMSPUnit) -> tuple[int, int]:
+    """(k, i): this rank is member i of the k ranks that split its P shard into OS shards."""
+    info = unit.info
+    dim = info.os_subgroup_dim
+    if dim is None:
+        return 1, 0
+    coord = dict(zip(info.mesh.mesh_dim_names, info.mesh.get_coordinate()))
+    return info.size(dim), coord[dim]
+
+
+class AMSPOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_class`` (any torch.optim.Optimizer) around OS-sharded masters.
+
+    Usage: ``AMSPOptimizer(model, torch.optim.AdamW, lr=3e-4)`` where ``model`` is the
+    root passed last to ``amsp.fully_shard``. ``param_groups`` and ``state`` are the
+    wrapped optimizer's, so LR schedulers work unchanged.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        overlap_param_sync: bool = True,
+        **optimizer_kwargs,
+    ):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(
+                "optimizer_class must be a torch.optim.Optimizer subclass such as "
+                f"torch.optim.AdamW, got {optimizer_class!r}"
+            )
+        self._model_state: AMSPState = find_state(model)
+        self.overlap_param_sync = overlap_param_sync
+        self._masters: list[DTensor] = []
+        self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
+        self._fqns: list[str] = []
+        for unit in self._model_state.units:
+            masters = self._build_masters(unit)
+            self._unit_masters.append((unit, masters))
+            self._masters.extend(masters)
+            self._fqns.extend(unit.param_fqns)
+        self.inner = optimizer_class(self._masters, **optimizer_kwargs)
+        super().__init__(self._masters, self.inner.defaults)
+        # One source of truth: schedulers and users edit the wrapped optimizer's groups.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._grads_ready = False
+
+    # ---- construction -------------------------------------------------------------
+    def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
+        k, index = _os_index(unit)
+        masters = []
+        for local, shape, rows in zip(unit.local_params(), unit.global_shapes, unit.p_layout.params):
+            start, length = chunk_rows(rows.rows, k)[index]
+            with torch.no_grad():
+                chunk = local.reshape(rows.rows, rows.cols)[start : start + length]
+                master_local = chunk.to(torch.float32, copy=True).reshape(length, *shape[1:])
+            master = DTensor.from_local(
+                master_local,
+                unit.info.mesh,
+                OS_PLACEMENTS,
+                run_check=False,
+                shape=shape,
+                stride=_contiguous_stride(shape),
+            )
+            masters.append(nn.Parameter(master))
+        return masters
+
+    # ---- gradients ----------------------------------------------------------------
+    def _prepare_master_grads(self) -> None:
+        """fp32 master grads from the synced G (divided by the gradient divide factor)."""
+        if self._grads_ready:
+            return
+        state = self._model_state
+        if state.unsynced_micro_batches:
+            raise RuntimeError(
+                f"{state.unsynced_micro_batches} backward(s) ran under amsp.no_sync since the "
+                "last gradient sync: run the last micro-batch's backward outside no_sync "
+                "before optimizer.step() / clip_grad_norm_()"
+            )
+        factor = state.divide_factor
+        for unit, masters in self._unit_masters:
+            if unit.grad_synced is None:
+                for master in masters:
+                    master.grad = None
+                continue
+            for view, master in zip(unit.os_layout.views(unit.grad_synced), masters):
+                local = master.to_local()
+                grad_local = (view.to(torch.float32) / factor).view(local.shape)
+                master.grad = DTensor.from_local(
+                    grad_local,
+                    master.device_mesh,
+                    OS_PLACEMENTS,
+                    run_check=False,
+                    shape=master.shape,
+                    stride=master.stride(),
+                )
+        self._grads_ready = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over ALL params of the model (every rank gets the same value).
+
+        Each rank holds a disjoint OS piece of the grads, and one full copy is spread over
+        the s_os ranks of a "shard" group: a single all-reduce of one scalar over that
+        group gives the global norm. Same clip rule as torch.nn.utils.clip_grad_norm_.
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm}")
+        self._prepare_master_grads()
+        grads = [m.grad.to_local() for m in self._masters if m.grad is not None]
+        device = self._masters[0].device if self._masters else torch.device("cpu")
+        if math.isinf(norm_type):
+            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
+            total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            total = local.to(torch.float32).reshape(1)
+            op = dist.ReduceOp.SUM
+        if self._model_state.info.size("shard") > 1:
+            self._model_state.collectives.all_reduce(total, "shard", phase="step", op=op).wait()
+        total_norm = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(clip_coef)
+        return total_norm
+
+    # ---- step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("AMSPOptimizer.step does not take a closure (run backward first)")
+        for unit, _ in self._unit_masters:
+            finish_param_update(unit)
+        self._prepare_master_grads()
+        self.inner.step()
+        for master in self._masters:
+            master.grad = None  # the fp32 copies are step-time scratch; G stays until zero_grad
+        self._grads_ready = False
+        for unit, masters in self._unit_masters:
+            self._send_params(unit, masters)
+            if not self.overlap_param_sync:
+                finish_param_update(unit)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self._model_state.units:
+            unit.grad_accum = None
+            unit.grad_synced = None
+        for master in self._masters:
+            master.grad = None
+        self._model_state.unsynced_micro_batches = 0
+        self._grads_ready = False
+
+    def finish_param_sync(self) -> None:
+        """Wait until every P shard holds the weights of the last step."""
+        for unit, _ in self._unit_masters:
+            finish_param_update(unit)
+
+    def _send_params(self, unit: AMSPUnit, masters: list[DTensor]) -> None:
+        """Master -> P: local copy if s_os == s_p, else all-gather over the OS subgroup."""
+        p_locals = unit.local_params()
+        dim = unit.info.os_subgroup_dim
+        if dim is None:
+            for dest, master in zip(p_locals, masters):
+                dest.copy_(master.to_local().view(dest.shape))
+            return
+        k = unit.info.size(dim)
+        dtype = p_locals[0].dtype
+        send = torch.zeros(unit.os_layout.numel, dtype=dtype, device=p_locals[0].device)
+        for view, master in zip(unit.os_layout.views(send), masters):
+            view.copy_(master.to_local().reshape(view.shape))
+        gathered = send.new_empty(k, unit.os_layout.numel)
+        pending = self._model_state.collectives.all_gather(gathered.view(-1), send, dim, phase="step")
+        unit.pending_param_update = (pending, send)
+
+    # ---- checkpointing ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """{"state": {fqn: {"master": DTensor, <optimizer states>}}, "param_groups": [...]}.
+
+        Keys are parameter FQNs (as torch.distributed.checkpoint.state_dict does), values
+        DTensors in the OS layout, so DCP can save and reshard them.
+        """
+        self.finish_param_sync()
+        inner = self.inner.state_dict()
+        state = {}
+        for index, (fqn, master) in enumerate(zip(self._fqns, self._masters)):
+            entry = {"master": master.detach()}
+            entry.update(inner["state"].get(index, {}))
+            state[fqn] = entry
+        groups = []
+        for group in inner["param_groups"]:
+            g = dict(group)
+            g["params"] = [self._fqns[i] for i in group["params"]]
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict from ``state_dict()``, possibly saved under another plan
+        (values are resharded to this plan's OS layout)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("expected a dict with keys 'state' and 'param_groups' from AMSPOptimizer.state_dict()")
+        index_of = {fqn: i for i, fqn in enumerate(self._fqns)}
+        unknown = [fqn for fqn in state_dict["state"] if fqn not in index_of]
+        if unknown:
+            raise ValueError(f"optimizer state has parameters this model lacks: {unknown[:3]}")
+        inner_state = {}
+        for fqn, entry in state_dict["state"].items():
+            i = index_of[fqn]
+            master = self._masters[i]
+            converted = {}
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    value = self._to_os_layout(value, master)
+                if key == "master":
+                    master.to_local().copy_(value.to_local())
+                else:
+                    converted[key] = value
+            inner_state[i] = converted
+        groups = []
+        for group in state_dict["param_groups"]:
+            g = dict(group)
+            g["params"] = [index_of[fqn] for fqn in group["params"]]
+            groups.append(g)
+        self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        for unit, masters in self._unit_masters:
+            self._send_params(unit, masters)
+            finish_param_update(unit)
+
+    @staticmethod
+    def _to_os_layout(value: torch.Tensor, like: DTensor) -> DTensor:
+        if isinstance(value, DTensor):
+            if value.device_mesh == like.device_mesh and value.placements == like.placements:
+                return value
+            value = value.full_tensor()
+        full = value.to(like.dtype)
+        if full.shape != like.shape:
+            raise ValueError(f"optimizer state of shape {tuple(full.shape)} does not fit param {tuple(like.shape)}")
+        local = like.to_local()
+        offset = _global_row_offset(like)
+        rows = full.reshape(full.shape[0] if full.dim() else 1, -1)[offset : offset + (local.shape[0] if local.dim() else 1)]
+        return DTensor.from_local(
+            rows.reshape(local.shape).clone(), like.device_mesh, like.placements,
+            run_check=False, shape=like.shape, stride=like.stride(),
+        )
+
+    def memory_bytes(self) -> int:
+        """Bytes of per-element OS tensors on this rank: masters + states shaped like them."""
+        total = 0
+        for index, master in enumerate(self._masters):
+            local = master.to_local()
+            total += local.numel() * local.element_size()
+            for value in self.inner.state.get(master, {}).values():
+                if isinstance(value, DTensor) and value.shape == master.shape:
+                    v = value.to_local()
+                    total += v.numel() * v.element_size()
+        return total
+
+
+def _global_row_offset(dtensor: DTensor) -> int:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return offset[0] if len(offset) else 0
+
+
+@torch.no_grad()
+def finish_param_update(unit: AMSPUnit) -> None:
+    """Land the all-gathered new P rows of ``unit`` (no-op if none is in flight)."""
+    if unit.pending_param_update is None:
+        return
+    pending, _send = unit.pending_param_update
+    unit.pending_param_update = None
+    k = unit.info.size(unit.info.os_subgroup_dim)
+    gathered = pending.wait().view(k, -1)
+    unit.p_layout.unpack_into(gathered, k, unit.local_params())

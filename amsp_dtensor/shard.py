@@ -1,0 +1,229 @@
+"""``amsp.fully_shard``: the parameter path, by FSDP2, plus AMSP's hooks.
+
+Called bottom-up like FSDP2's ``fully_shard``: every block, then the root. With s_p > 1
+the module is handed to FSDP2's ``fully_shard`` on the 1-D "p" sub-mesh, which does the
+all-gathers, prefetching, resharding and mixed precision; we only take its reduce-scatter
+output (``set_all_reduce_hook``) into our gradient path. With s_p = 1 there is nothing to
+gather, so FSDP is not applied at all (it would keep a second, flat copy of every param);
+the params stay plain tensors and per-param post-accumulate-grad hooks feed the same path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+
+from . import grad as grad_path
+from .collectives import Collectives, RecordingAllGather, RecordingReduceScatter
+from .mesh import mesh_info
+from .plan import ResolvedPlan, ShardingPlan
+from .state import AMSPState, AMSPUnit, build_layouts
+
+__all__ = ["fully_shard"]
+
+
+def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Params of ``module`` not owned by an AMSP unit further down."""
+    taken = set()
+    for sub in module.modules():
+        if sub is not module and getattr(sub, "_amsp_unit", None) is not None:
+            taken.update(id(p) for p in sub._amsp_unit.params)
+    seen, owned = set(), []
+    for name, param in module.named_parameters():
+        if id(param) in taken or id(param) in seen:
+            continue
+        seen.add(id(param))
+        owned.append((name, param))
+    return owned
+
+
+def _check_args(module, mesh, plan, mp_policy, reshard_after_forward):
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if getattr(module, "_amsp_unit", None) is not None or hasattr(module, "_amsp_state"):
+        raise ValueError(f"{type(module).__name__} is already sharded by amsp.fully_shard")
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"{type(module).__name__} was already wrapped by torch's fully_shard: use "
+            "amsp.fully_shard instead of (not on top of) FSDP2's"
+        )
+    if not isinstance(plan, (ShardingPlan, ResolvedPlan)):
+        raise TypeError(f"plan must be amsp.ShardingPlan, got {type(plan).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(
+            f"reshard_after_forward must be None, a bool or an int, got "
+            f"{type(reshard_after_forward).__name__}"
+        )
+    info = mesh_info(mesh, plan)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        s_p = info.plan.s_p
+        if reshard_after_forward < 1 or s_p % reshard_after_forward:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward} must be a bool or a factor "
+                f"of param_shard={s_p} (the size of the hpZ secondary group)"
+            )
+    return info
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    plan: ShardingPlan,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> nn.Module:
+    """Shard ``module``'s own params by ``plan`` (P over "p"; G and OS by the engine).
+
+    ``mesh`` comes from ``amsp.init_mesh(plan)``. ``mp_policy`` and
+    ``reshard_after_forward`` are FSDP2's and are passed to it (they have no effect when
+    param_shard is 1, where there is no all-gather). For the paper's bf16 setting cast
+    the model to bf16 first: the engine keeps fp32 master weights in the OS layout.
+    """
+    info = _check_args(module, mesh, plan, mp_policy, reshard_after_forward)
+    named = _owned_params(module)
+    for name, param in named:
+        if not param.requires_grad:
+            raise ValueError(
+                f"parameter {name!r} of {type(module).__name__} does not require grad: frozen "
+                "parameters are not supported by amsp.fully_shard yet"
+            )
+        if param.device.type == "meta":
+            raise ValueError(
+                f"parameter {name!r} is on the meta device: materialise the model "
+                "(to_empty + init) before amsp.fully_shard"
+            )
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{type(module).__name__} mixes parameter dtypes {sorted(map(str, dtypes))}: "
+            "cast the model to one dtype (bf16 for the paper's setting) first"
+        )
+    collectives = Collectives(info)
+    if named:
+        unit = _make_unit(module, named, info, collectives, mp_policy, reshard_after_forward)
+        module._amsp_unit = unit
+    _become_root(module, info, collectives)
+    return module
+
+
+def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forward) -> AMSPUnit:
+    s_p = info.plan.s_p
+    uses_fsdp = s_p > 1
+    if not uses_fsdp and mp_policy is not None and mp_policy.param_dtype not in (
+        None,
+        named[0][1].dtype,
+    ):
+        raise ValueError(
+            f"mp_policy.param_dtype={mp_policy.param_dtype} needs a parameter all-gather to "
+            "cast in, and param_shard=1 has none: cast the model to that dtype instead "
+            "(master weights stay fp32 in the optimizer)"
+        )
+    global_shapes = [p.shape for _, p in named]
+    if uses_fsdp:
+        kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward}
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        fsdp_fully_shard(module, **kwargs)
+        group = module._get_fsdp_state()._fsdp_param_group
+        fsdp_params = group.fsdp_params
+        params = [fp.sharded_param for fp in fsdp_params]
+        global_shapes = [fp._orig_size for fp in fsdp_params]
+        p_rows = [fp.sharded_size[0] if len(fp.sharded_size) else 1 for fp in fsdp_params]
+        p_caps = [
+            fp.padded_sharded_param_size[0] if len(fp.padded_sharded_param_size) else 1
+            for fp in fsdp_params
+        ]
+    else:
+        params = [p for _, p in named]
+        p_rows = [s[0] if len(s) else 1 for s in global_shapes]
+        p_caps = list(p_rows)
+    p_layout, g_layout, os_layout = build_layouts(info, global_shapes, p_rows, p_caps)
+    unit = AMSPUnit(
+        module=module,
+        fqn="",
+        info=info,
+        params=params,
+        uses_fsdp=uses_fsdp,
+        global_shapes=list(global_shapes),
+        p_layout=p_layout,
+        g_layout=g_layout,
+        os_layout=os_layout,
+    )
+    unit.param_names = [n for n, _ in named] if not uses_fsdp else _fsdp_names(module, params)
+    if uses_fsdp:
+        # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
+        # engine divides once, on the fp32 master grads.
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(1.0)
+        module.set_all_reduce_hook(functools.partial(grad_path.on_unit_grads, unit, owned=False))
+        module.set_custom_all_gather(RecordingAllGather(collectives))
+        module.set_custom_reduce_scatter(RecordingReduceScatter(collectives))
+    else:
+        for index, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(grad_path.make_param_grad_hook(unit, index))
+    # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
+    # by the last optimizer step, must have landed before it is all-gathered or used.
+    module.register_forward_pre_hook(_wait_param_update_hook(unit), prepend=True)
+    return unit
+
+
+def _fsdp_names(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    by_id = {id(p): n for n, p in module.named_parameters()}
+    return [by_id[id(p)] for p in params]
+
+
+def _wait_param_update_hook(unit: AMSPUnit):
+    def hook(module, args):
+        from .optim import finish_param_update
+
+        finish_param_update(unit)
+        if unit.uses_fsdp:
+            # Units FSDP will prefetch from here need their new shards too.
+            for other in module._get_fsdp_state()._states_to_forward_prefetch:
+                other_unit = getattr(other._modules[0], "_amsp_unit", None) if other._modules else None
+                if other_unit is not None:
+                    finish_param_update(other_unit)
+
+    return hook
+
+
+def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
+    """Make ``module`` the root of every unit below it (the last call is the root)."""
+    units = [m._amsp_unit for m in module.modules() if getattr(m, "_amsp_unit", None)]
+    if not units:
+        raise ValueError(
+            f"{type(module).__name__} has no parameters to shard (and no sharded submodules)"
+        )
+    if any(u.info is not info for u in units):
+        raise ValueError("all units of one model must use the same amsp mesh and plan")
+    state = AMSPState(info=info, collectives=collectives, units=units)
+    prefix_of = {m: name for name, m in module.named_modules()}
+    for unit in units:
+        unit.state = state
+        prefix = prefix_of[unit.module]
+        unit.fqn = prefix
+        unit.param_fqns = [f"{prefix}.{n}" if prefix else n for n in unit.param_names]
+    for sub in module.modules():
+        if sub is not module and hasattr(sub, "_amsp_state"):
+            del sub._amsp_state
+    module._amsp_state = state
+    module.register_state_dict_pre_hook(_finish_updates_before_state_dict)
+
+
+def _finish_updates_before_state_dict(module, prefix, keep_vars):
+    from .optim import finish_param_update
+
+    for unit in module._amsp_state.units:
+        finish_param_update(unit)

@@ -1,0 +1,119 @@
+"""Training scenarios shared by the engine tests: AMSP on N ranks and its single-process
+reference on the same global batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
+
+SEQ_LEN = 16
+MICRO_BATCH = 2  # samples per rank per micro-batch
+LR = 1e-3
+MAX_NORM = 0.5
+
+
+def global_batches(step: int, world_size: int, micro_batches: int, cfg: TinyLlamaConfig):
+    """[world * micro_batches * MICRO_BATCH, SEQ_LEN + 1] tokens for one step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = world_size * micro_batches * MICRO_BATCH
+    return torch.randint(0, cfg.vocab_size, (n, SEQ_LEN + 1), generator=g)
+
+
+def local_micro_batch(batch, rank, world_size, micro):
+    start = (micro * world_size + rank) * MICRO_BATCH
+    return batch[start : start + MICRO_BATCH]
+
+
+def make_model(dtype: torch.dtype, cfg: TinyLlamaConfig | None = None) -> TinyLlama:
+    torch.manual_seed(0)
+    return TinyLlama(cfg or TinyLlamaConfig()).to(dtype)
+
+
+def reference_training(world_size, micro_batches, steps, dtype):
+    """One process, whole global batch, fp32 master weights + AdamW, same clipping."""
+    model = make_model(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    optim = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        batch = global_batches(step, world_size, micro_batches, model.cfg)
+        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float()
+            p.grad = None
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, MAX_NORM).item())
+        optim.step()
+        optim.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+    }
+
+
+def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1):
+    """Train under ``plan`` (a (s_p, s_g, s_os) tuple); returns losses, norms, the final
+    full weights (rank 0), this rank's memory per state, and one step's CommEvents."""
+    import amsp_dtensor as amsp
+
+    ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])
+    sharding = amsp.ShardingPlan(*plan)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node, device_type="cpu")
+    model = make_model(dtype)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    losses, norms, events, memory = [], [], [], {}
+    for step in range(steps):
+        batch = global_batches(step, world_size, micro_batches, model.cfg)
+        recorder = amsp.CommRecorder()
+        ctx = amsp.record_comms(recorder) if step == record_step else _null()
+        step_loss = torch.zeros(1)
+        with ctx:
+            for micro in range(micro_batches):
+                mb = local_micro_batch(batch, rank, world_size, micro)
+                last = micro == micro_batches - 1
+                with _null() if last else amsp.no_sync(model):
+                    loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
+                    loss.backward()
+                step_loss += loss.detach().float()
+                if step == 0 and micro == 0 and not last:
+                    memory["grad"] = amsp.memory_by_state(model)["grad"]
+            norms.append(optim.clip_grad_norm_(MAX_NORM).item())
+            optim.step()
+            optim.zero_grad()
+        if step == record_step:
+            events = [e.key() for e in recorder.events]
+        dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world_size)
+    mem = amsp.memory_by_state(model, optim)
+    memory["param"], memory["optim"] = mem["param"], mem["optim"]
+    optim.finish_param_sync()
+    weights = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        weights[name] = full.detach().float().clone()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights if rank == 0 else None,
+        "memory": memory,
+        "events": events,
+    }
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

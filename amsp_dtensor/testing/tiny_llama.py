@@ -1,0 +1,107 @@
+"""A small Llama-style decoder (RMSNorm, RoPE attention, SwiGLU MLP) for tests.
+
+Shapes are chosen so that some dim-0 sizes do not divide the world size (vocab=100), which
+exercises the padded-row layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class TinyLlamaConfig:
+    vocab_size: int = 100
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    ffn_dim: int = 64
+    max_seq_len: int = 32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def _rope(x: torch.Tensor) -> torch.Tensor:
+    # x: [b, h, t, d]; rotary embedding computed on the fly (no buffers to shard)
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)
+    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.n_heads
+        q, k, v = (w(x).view(b, t, h, d // h).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, cfg: TinyLlamaConfig | None = None):
+        super().__init__()
+        cfg = cfg or TinyLlamaConfig()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
