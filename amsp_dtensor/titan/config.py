@@ -1,0 +1,45 @@
+"""The ``[amsp]`` section of a torchtitan job config.
+
+torchtitan 0.2.2 merges a module's ``JobConfig`` dataclass into its own when the TOML says
+``[job] custom_config_module = "amsp_dtensor.titan.config"`` (or the CLI passes
+``--job.custom_config_module``), so ``[amsp] param_shard = 2`` in TOML and
+``--amsp.param_shard 2`` on the command line both land in ``job_config.amsp``.
+
+Factors are ints or strategy names ("replica" = 1, "node" = ranks per node, "full" =
+world size). tyro parses ``int | str`` CLI values as int when they look like one.
+"""
+
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Amsp:
+    param_shard: int | str = "full"
+    """s_p: ranks sharing one copy of the parameters (P). Int factor or replica/node/full."""
+
+    grad_shard: int | str = "full"
+    """s_g: ranks sharing one copy of the gradients (G); must equal param_shard or optim_shard."""
+
+    optim_shard: int | str = "full"
+    """s_os: ranks sharing one copy of fp32 master weights + optimizer states (OS)."""
+
+    plan: str = ""
+    """"" = use the three factors above; "auto" = let amsp_dtensor's planner choose them."""
+
+    ranks_per_node: int = 0
+    """Ranks per (real or simulated) node; 0 = LOCAL_WORLD_SIZE from torchrun."""
+
+    reshard_after_forward: bool | int = True
+    """FSDP2's reshard_after_forward for the P path: True, False, or an int (hpZ-style)."""
+
+    gpu_memory_gib: float = 0.0
+    """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
+
+
+@dataclass
+class JobConfig:
+    amsp: Amsp = field(default_factory=Amsp)
+
+
+KNOWN_KEYS = tuple(Amsp.__dataclass_fields__)

@@ -1,0 +1,190 @@
+"""The five shims that let torchtitan 0.2.2 train on CPU (gloo), in one place.
+
+Applied by ``apply()`` only when no accelerator exists (``torch.accelerator.is_available()``
+is False); on a GPU machine this module changes nothing. Each shim names the error it
+answers, seen on torch 2.13+cpu with torchtitan 0.2.2. ``apply()`` must run before
+``torchtitan`` is first imported (shims 1 and 2 act at import time); it is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from datetime import timedelta
+
+import torch
+
+_applied = False
+
+
+def needed() -> bool:
+    """True when there is no accelerator, i.e. torchtitan would wrongly assume CUDA."""
+    return not torch.accelerator.is_available()
+
+
+def apply() -> bool:
+    """Apply all shims if no accelerator exists. Returns True if they were applied."""
+    global _applied
+    if _applied:
+        return True
+    if not needed():
+        return False
+    _stub_moe_triton_kernels()
+    _force_cpu_device_probe()
+    _cpu_memory_monitor()
+    _fsdp_sum_reduction_for_gloo()
+    _pg_timeouts_without_device_ids()
+    _applied = True
+    return True
+
+
+# (1) `import torchtitan` -> components/quantization -> models/moe/utils.py imports the
+#     triton kernels module at import time:
+#       ModuleNotFoundError: No module named 'triton'
+#     The kernels are only used by MoE token permutation (not by llama3). A stub module
+#     stands in for them and fails loudly if an MoE model ever calls it on CPU.
+def _stub_moe_triton_kernels() -> None:
+    name = "torchtitan.models.moe.kernels"
+    if name in sys.modules:
+        return
+    try:
+        import triton  # noqa: F401
+
+        return  # a real triton exists: nothing to stub
+    except ImportError:
+        pass
+    stub = types.ModuleType(name)
+
+    def _needs_triton(*args, **kwargs):
+        raise RuntimeError(
+            "torchtitan MoE token permutation needs triton (GPU); amsp_dtensor's CPU shims "
+            "only cover dense models such as llama3"
+        )
+
+    stub.generate_permute_indices = _needs_triton
+    stub.fill_indices_wrapper = _needs_triton
+    stub.__all__ = ["generate_permute_indices", "fill_indices_wrapper"]
+    sys.modules[name] = stub
+
+
+# (2) torchtitan/tools/utils.py probes `_get_available_device_type() or "cuda"`, so with no
+#     accelerator it picks CUDA (there is no config option) and Trainer.__init__ fails on
+#     `device_module.set_device(...)`:
+#       AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'
+#     Make the probe answer "cpu" while that module is imported, and fix up any torchtitan
+#     module that already copied the wrong values.
+def _force_cpu_device_probe() -> None:
+    import torch._utils as tutils
+
+    original = tutils._get_available_device_type
+
+    @contextlib.contextmanager
+    def _probe_says_cpu():
+        tutils._get_available_device_type = lambda: original() or "cpu"
+        try:
+            yield
+        finally:
+            tutils._get_available_device_type = original
+
+    with _probe_says_cpu():
+        import torchtitan.tools.utils  # noqa: F401  (computes device_type at import)
+
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("torchtitan") and getattr(mod, "device_type", None) == "cuda":
+            mod.device_type = "cpu"
+            if hasattr(mod, "device_module"):
+                mod.device_module = torch.cpu
+
+
+# (3) components/metrics.py's DeviceMemoryMonitor calls CUDA-only APIs that torch.cpu
+#     lacks:
+#       AttributeError: module 'torch.cpu' has no attribute 'get_device_name'
+#     Replace it with a monitor of this process's resident memory (VmRSS / VmHWM peak from
+#     /proc; the peak is reset by writing 5 to /proc/self/clear_refs).
+class CpuMemoryMonitor:
+    device_name = "cpu"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.device_index = 0
+        self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.device_capacity_gib = self.device_capacity / 2**30
+        self.reset_peak_stats()
+
+    @staticmethod
+    def _status_bytes(key: str) -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return -1
+
+    def get_peak_stats(self):
+        from torchtitan.components.metrics import DeviceMemStats
+
+        active = self._status_bytes("VmRSS")
+        peak = self._status_bytes("VmHWM")
+        return DeviceMemStats(
+            active / 2**30,
+            100 * active / self.device_capacity,
+            peak / 2**30,
+            100 * peak / self.device_capacity,
+            0,
+            0,
+        )
+
+    def reset_peak_stats(self) -> None:
+        with contextlib.suppress(OSError):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+
+def _cpu_memory_monitor() -> None:
+    import torchtitan.components.metrics as metrics
+
+    metrics.build_device_memory_monitor = CpuMemoryMonitor
+
+
+# (4) torchtitan's apply_fsdp calls set_gradient_divide_factor(1.0) on every FSDP module;
+#     FSDP2 then reduces with ReduceOp.PREMUL_SUM, which gloo rejects in the first backward:
+#       RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo
+#     With factor 1.0 a plain SUM is the same math; FSDP2 has a switch for it. (Used by the
+#     torchtitan FSDP baseline run; the AMSP engine chooses its own reduce ops.)
+def _fsdp_sum_reduction_for_gloo() -> None:
+    import torchtitan.models.llama3.infra.parallelize as llama_par
+    from torch.distributed.fsdp import FSDPModule
+
+    original = llama_par.disable_fsdp_gradient_division
+
+    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
+        original(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    llama_par.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+
+
+# (5) After step 1, Trainer.train calls dist_utils.set_pg_timeouts, which does
+#     `barrier(device_ids=[device_module.current_device()])`; on CPU current_device() is the
+#     string "cpu" and gloo's barrier rejects it:
+#       TypeError: (): incompatible function arguments.
+#     Same function, barrier without device_ids.
+def _pg_timeouts_without_device_ids() -> None:
+    import torchtitan.distributed.utils as dist_utils
+
+    def set_pg_timeouts(timeout: timedelta, parallel_dims) -> None:
+        torch.distributed.barrier()
+        groups = [
+            mesh.get_group()
+            for mesh in parallel_dims.get_all_one_dimensional_meshes().values()
+        ] + [None]
+        for group in groups:
+            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+    dist_utils.set_pg_timeouts = set_pg_timeouts

@@ -1,0 +1,68 @@
+"""torchtitan's MetricsProcessor plus AMSP's own scalars.
+
+torchtitan already logs loss, throughput (tokens/s per rank), TFLOPS, MFU and memory.
+This subclass adds, through the same logger (TensorBoard/W&B):
+  comm/<op>/<dim>/{bytes,seconds,count}   per step, from amsp.record_comms (CommEvents)
+  comm/{intra,inter}_node_bytes           bytes by locality of the group
+  memory_by_state/{param,grad,optim}(MiB) this rank's model states, amsp.memory_by_state
+  amsp/{s_p,s_g,s_os}                     the plan being run
+and drops "mfu(%)" where the peak FLOP rate is unknown (on CPU torchtitan would silently
+divide by an A100's peak).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.components.metrics import BaseLogger, MetricsProcessor
+from torchtitan.tools.utils import device_type
+
+UNKNOWN_PEAK_KEYS = ("mfu(%)",)
+
+
+class _DropKeys(BaseLogger):
+    def __init__(self, inner: BaseLogger, drop: tuple[str, ...]) -> None:
+        self.inner, self.drop = inner, drop
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.inner.log({k: v for k, v in metrics.items() if k not in self.drop}, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def comm_scalars(events) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for e in events:
+        base = f"comm/{e.op}/{e.dim}"
+        out[f"{base}/bytes"] = out.get(f"{base}/bytes", 0) + e.nbytes
+        out[f"{base}/seconds"] = out.get(f"{base}/seconds", 0.0) + e.seconds
+        out[f"{base}/count"] = out.get(f"{base}/count", 0) + 1
+        loc = "inter" if e.inter_node else "intra"
+        out[f"comm/{loc}_node_bytes"] = out.get(f"comm/{loc}_node_bytes", 0) + e.nbytes
+    out.setdefault("comm/intra_node_bytes", 0)
+    out.setdefault("comm/inter_node_bytes", 0)
+    return out
+
+
+def memory_scalars(by_state: dict[str, int]) -> dict[str, float]:
+    return {f"memory_by_state/{k}(MiB)": v / 2**20 for k, v in by_state.items()}
+
+
+class AmspMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self.peak_flops_known = device_type != "cpu"
+        if not self.peak_flops_known:
+            self.logger = _DropKeys(self.logger, UNKNOWN_PEAK_KEYS)
+
+    def log_amsp(self, step: int, plan, events, memory_by_state: dict[str, int]) -> dict[str, float]:
+        metrics = {"amsp/s_p": plan.s_p, "amsp/s_g": plan.s_g, "amsp/s_os": plan.s_os}
+        metrics.update(comm_scalars(events))
+        metrics.update(memory_scalars(memory_by_state))
+        self.logger.log(metrics, step)
+        return metrics
+
+
+def build_amsp_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
+    return AmspMetricsProcessor(job_config, parallel_dims, tag)

@@ -1,0 +1,81 @@
+"""torchtitan's OptimizersContainer around amsp.AMSPOptimizer.
+
+The container keeps torchtitan's interface (iteration for the LR schedulers, step hooks,
+zero_grad) and its optimizer settings ([optimizer] name/lr/betas/eps/weight_decay/
+implementation); each model part gets one AMSPOptimizer, which keeps fp32 master weights
+and optimizer states in the OS layout. Because AMSPOptimizer subclasses
+torch.optim.Optimizer, torchtitan's LambdaLR schedulers drive its param_groups' lr.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.distributed import ParallelDims
+
+from .validate import AmspConfigError
+
+OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+class AmspOptimizersContainer(OptimizersContainer):
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs: dict[str, Any]):
+        import amsp_dtensor as amsp
+
+        self.model_parts = model_parts
+        self.optimizers = [amsp.AMSPOptimizer(m, optimizer_cls, **optimizer_kwargs) for m in model_parts]
+        all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+        self._validate_length(len(model_parts))
+        self._post_init(all_params, optimizer_kwargs)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the true global norm (model params have no .grad: grads live in the engine)."""
+        norms = [opt.clip_grad_norm_(max_norm) for opt in self.optimizers]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else torch.as_tensor(n) for n in norms]
+        if len(norms) == 1:
+            return norms[0]
+        return torch.stack(norms).pow(2).sum().sqrt()
+
+    # Checkpointing: torchtitan's get_optimizer_state_dict expects the model's params in the
+    # optimizer; AMSP's optimizer holds OS-layout masters instead, so defer to its own dict.
+    def state_dict(self) -> dict[str, Any]:
+        return {f"amsp_optim.{i}": opt.state_dict() for i, opt in enumerate(self.optimizers)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for i, opt in enumerate(self.optimizers):
+            opt.load_state_dict(state_dict[f"amsp_optim.{i}"])
+
+
+def build_amsp_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config: OptimizerConfig,
+    parallel_dims: ParallelDims,
+    ft_manager=None,
+) -> AmspOptimizersContainer:
+    """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside."""
+    if optimizer_config.early_step_in_backward:
+        raise AmspConfigError(
+            "optimizer.early_step_in_backward=True: not supported with AMSP (the optimizer "
+            "steps on OS shards after the gradient sync); set it to false"
+        )
+    if ft_manager is not None and getattr(ft_manager, "enabled", False):
+        raise AmspConfigError("fault_tolerance.enable=True: not supported with AMSP; set it to false")
+    name = optimizer_config.name
+    if name not in OPTIMIZER_CLASSES:
+        raise AmspConfigError(f"optimizer.name={name!r}: AMSP supports {', '.join(OPTIMIZER_CLASSES)}")
+    impl = optimizer_config.implementation
+    kwargs = {
+        "lr": optimizer_config.lr,
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "weight_decay": optimizer_config.weight_decay,
+        "fused": impl == "fused",
+        "foreach": impl == "foreach",
+    }
+    return AmspOptimizersContainer(model_parts, OPTIMIZER_CLASSES[name], kwargs)

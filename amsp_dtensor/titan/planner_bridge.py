@@ -1,0 +1,70 @@
+"""plan = "auto": hand the job's model, batch, world and memory to amsp_dtensor's planner.
+
+INTEGRATION POINT (issue 3): the planner lives in amsp_dtensor/cost/planner.py and is
+written by another engineer. This module is the only place that calls it; if the module
+or its ``plan`` function is missing, plan = "auto" stops with a one-line message telling
+the user to give explicit factors.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from amsp_dtensor.plan import ResolvedPlan
+
+
+def _gpu_memory_bytes(job_config) -> float | None:
+    gib = getattr(job_config.amsp, "gpu_memory_gib", 0.0) or 0.0
+    if gib > 0:
+        return gib * 2**30
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
+    """What the planner needs, from the torchtitan job config (PAPER.md, 'Planner')."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(job_config.model.name)
+    model_args = spec.model_args[job_config.model.flavor]
+    t = job_config.training
+    dp = world  # AMSP runs pure data parallel here
+    gbs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+    return {
+        "model_args": model_args,
+        "model_name": f"{job_config.model.name}:{job_config.model.flavor}",
+        "seq_len": t.seq_len,
+        "micro_batch_size": t.local_batch_size,
+        "num_micro_batches": gbs // (t.local_batch_size * dp),
+        "world_size": world,
+        "ranks_per_node": ranks_per_node,
+        "gpu_memory_bytes": _gpu_memory_bytes(job_config),
+        "activation_checkpoint": job_config.activation_checkpoint.mode,
+        "param_dtype": job_config.training.mixed_precision_param,
+    }
+
+
+def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
+    from .validate import AmspConfigError
+
+    try:
+        from amsp_dtensor.cost.planner import plan as planner_plan
+    except ImportError:
+        raise AmspConfigError(
+            "amsp.plan='auto': the planner (amsp_dtensor.cost.planner.plan) is not available "
+            "in this checkout; set param_shard, grad_shard and optim_shard instead"
+        ) from None
+    inputs = planner_inputs(job_config, world, ranks_per_node)
+    accepted = inspect.signature(planner_plan).parameters
+    kwargs = {k: v for k, v in inputs.items() if k in accepted}
+    try:
+        chosen = planner_plan(**kwargs)
+    except ValueError as e:
+        raise AmspConfigError(f"amsp.plan='auto': {e}") from None
+    chosen = getattr(chosen, "plan", chosen)  # a ranked result or the plan itself
+    if not isinstance(chosen, ResolvedPlan):
+        chosen = chosen.resolve(world, ranks_per_node)
+    return chosen

@@ -1,0 +1,81 @@
+"""torchtitan's Trainer with AMSP's once-per-step gradient sync and global-norm clipping.
+
+torchtitan 0.2.2's train_step runs every micro-batch's backward the same way; under AMSP
+that would sync gradients across replicas on every micro-batch. AmspTrainer runs all
+micro-batches but the last under ``amsp.no_sync(model)``, routes torchtitan's
+``clip_grad_norm_`` call to the AMSP optimizer (the model's params carry no .grad), and
+records the step's collectives and per-state memory for the metrics logger. For any
+non-AMSP model (e.g. ``--model.name llama3``, torchtitan's own FSDP) it is the plain
+torchtitan Trainer, which is how the equivalence tests get their baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+import torchtitan.distributed.utils as dist_utils
+from torchtitan.train import Trainer
+
+from .parallelize import amsp_plan_of
+
+
+@contextlib.contextmanager
+def _clip_through(optimizers) -> Iterator[None]:
+    """Within one train_step, torchtitan's dist_utils.clip_grad_norm_ goes to the AMSP optimizer.
+
+    torchtitan calls ``dist_utils.clip_grad_norm_(model params, max_norm, ...)`` from the
+    middle of train_step; replacing the module attribute for the step's duration is the
+    narrowest hook (the alternative is copying train_step).
+    """
+    original = dist_utils.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+        return optimizers.clip_grad_norm_(max_norm)
+
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+    try:
+        yield
+    finally:
+        dist_utils.clip_grad_norm_ = original
+
+
+class AmspTrainer(Trainer):
+    def __init__(self, job_config):
+        super().__init__(job_config)
+        self.amsp_plan = amsp_plan_of(self.model_parts[0])
+        self._microbatch = 0
+        self.last_comm_events: list = []
+
+    @property
+    def amsp_enabled(self) -> bool:
+        return self.amsp_plan is not None
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        self._microbatch += 1
+        last = self._microbatch >= self.gradient_accumulation_steps
+        if not self.amsp_enabled or last:
+            ctx = contextlib.nullcontext()
+        else:
+            import amsp_dtensor as amsp
+
+            ctx = amsp.no_sync(self.model_parts[0])
+        with ctx:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+
+    def train_step(self, data_iterator):
+        self._microbatch = 0
+        if not self.amsp_enabled:
+            return super().train_step(data_iterator)
+        import amsp_dtensor as amsp
+
+        with amsp.record_comms() as rec, _clip_through(self.optimizers):
+            super().train_step(data_iterator)
+        self.last_comm_events = list(rec.events)
+        if self.metrics_processor.should_log(self.step) and hasattr(self.metrics_processor, "log_amsp"):
+            memory = amsp.memory_by_state(self.model_parts[0], self.optimizers.optimizers[0])
+            self.metrics_processor.log_amsp(self.step, self.amsp_plan, self.last_comm_events, memory)

@@ -1,0 +1,130 @@
+"""Entry point: ``torchrun --nproc_per_node 4 -m amsp_dtensor.train --job.config_file X.toml``.
+
+What it adds to ``python -m torchtitan.train``:
+  1. the CPU shims (only when no accelerator exists), before torchtitan is imported;
+  2. the [amsp] section and the llama3_amsp TrainSpec without needing the two plug-in
+     lines in the TOML (they are added if missing);
+  3. validation of [amsp] before any process group or model exists: a bad setting stops
+     every rank with one line naming the key, and a non-zero exit code (2);
+  4. the offline tokenizer and corpus, built on first run when the config points into
+     amsp_dtensor.data.DEFAULT_ROOT (outputs/amsp_data), and HF_HOME kept there;
+  5. AmspTrainer: torchtitan's Trainer with no_sync on all but the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+CONFIG_MODULE = "amsp_dtensor.titan.config"
+CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
+
+
+class UsageError(Exception):
+    """A config problem reported as one line (no traceback)."""
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _with_config_module(argv: list[str], toml_values: dict | None) -> list[str]:
+    in_cli = any(a.split("=")[0] in CONFIG_MODULE_FLAGS for a in argv)
+    in_toml = bool(((toml_values or {}).get("job") or {}).get("custom_config_module"))
+    return argv if in_cli or in_toml else argv + ["--job.custom_config_module", CONFIG_MODULE]
+
+
+def parse_job_config(argv: list[str]):
+    """torchtitan's ConfigManager, after checking the TOML's [amsp] keys ourselves."""
+    import importlib
+
+    import amsp_dtensor.titan  # noqa: F401  (CPU shims, llama3_amsp TrainSpec)
+    from torchtitan.config import ConfigManager
+
+    from amsp_dtensor.titan.validate import check_toml_keys
+
+    manager = ConfigManager()
+    try:
+        toml_values = manager._maybe_load_toml(argv)
+    except FileNotFoundError as e:
+        raise UsageError(f"job.config_file: {e}") from None
+    except Exception as e:  # tomllib.TOMLDecodeError
+        raise UsageError(f"job.config_file: not valid TOML: {e}") from None
+    check_toml_keys(toml_values)
+    try:
+        config = manager.parse_args(_with_config_module(argv, toml_values))
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    if config.experimental.custom_import:
+        importlib.import_module(config.experimental.custom_import)
+    return config
+
+
+def prepare_data(job_config) -> None:
+    """Build the offline tokenizer/corpus if the config points at the project's data folder."""
+    from amsp_dtensor.data import DEFAULT_ROOT, ensure_assets, set_hf_home
+
+    set_hf_home(DEFAULT_ROOT)
+    root = DEFAULT_ROOT.resolve()
+    wanted = [job_config.model.hf_assets_path, job_config.training.dataset_path]
+    if any(p and Path(p).resolve().is_relative_to(root) for p in wanted):
+        ensure_assets(DEFAULT_ROOT)
+
+
+def check_amsp(job_config):
+    """Validate [amsp] for this world (WORLD_SIZE / LOCAL_WORLD_SIZE); None if not an AMSP model."""
+    from amsp_dtensor.titan import resolve_plan, uses_amsp
+
+    if not uses_amsp(job_config.model.name):
+        return None
+    return resolve_plan(job_config)
+
+
+def run(job_config) -> None:
+    """The body of torchtitan.train.main, with AmspTrainer."""
+    import torch
+
+    from torchtitan.tools.logging import logger
+
+    from amsp_dtensor.titan.trainer import AmspTrainer
+
+    trainer = None
+    try:
+        trainer = AmspTrainer(job_config)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from amsp_dtensor.titan import cpu_compat
+
+    cpu_compat.apply()
+    from torchtitan.tools.logging import init_logger, logger
+
+    from amsp_dtensor.titan.validate import AmspConfigError
+
+    init_logger()
+    try:
+        job_config = parse_job_config(argv)
+        plan = check_amsp(job_config)
+    except (AmspConfigError, UsageError) as e:
+        if _rank() == 0:
+            print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if plan is not None:
+        logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
+                    f"({plan.ranks_per_node} per node)")
+    prepare_data(job_config)
+    run(job_config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
