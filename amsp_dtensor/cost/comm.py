@@ -34,6 +34,7 @@ and group shape (cost/bandwidth.py).
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from dataclasses import asdict, dataclass
 from typing import Iterable, Protocol, Sequence, Union
 
@@ -72,6 +73,7 @@ class GroupShape:
         return self.nodes > 1
 
 
+@lru_cache(maxsize=4096)
 def group_shape(size: int, stride: int, world_size: int, ranks_per_node: int) -> GroupShape:
     """Shape of the groups {b, b+stride, ..} of `size` ranks tiling the world (worst group)."""
     nodes = 1
@@ -142,6 +144,11 @@ def _as_resolved(plan, world_size=None, ranks_per_node=None) -> ResolvedPlan:
     raise TypeError(f"plan must be a ResolvedPlan or ShardingPlan, got {type(plan).__name__}")
 
 
+@lru_cache(maxsize=4096)
+def _padded(shapes: tuple, s: int) -> int:
+    return padded_numel(shapes, s)
+
+
 def predicted_events(
     plan: Union[ResolvedPlan, ShardingPlan],
     unit_param_shapes: Sequence[Shapes],
@@ -185,9 +192,10 @@ def predicted_events(
         )
 
     for u, shapes in enumerate(unit_param_shapes):
-        pad_p = e * padded_numel(shapes, p.s_p)
-        pad_g = e * padded_numel(shapes, p.s_g)
-        pad_os = e * padded_numel(shapes, p.s_os)
+        key = tuple(tuple(int(d) for d in shape) for shape in shapes)
+        pad_p = e * _padded(key, p.s_p)
+        pad_g = e * _padded(key, p.s_g)
+        pad_os = e * _padded(key, p.s_os)
         is_root = root_unit_index is not None and u == root_unit_index % len(unit_param_shapes)
         if p.s_p > 1:
             add("all_gather", "p", pad_p, "forward", M, u)

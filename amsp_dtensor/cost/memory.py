@@ -36,11 +36,13 @@ from dataclasses import asdict, dataclass
 
 from ..plan import ResolvedPlan
 from .models import ModelShape
-from .padding import padded_numel, shard_numel
+from .padding import dim0_cols, padded_numel, shard_numel
 
 __all__ = [
     "StateBytes",
     "state_bytes",
+    "state_bytes_of_rank",
+    "mesh_coords",
     "activation_bytes",
     "block_activation_bytes_per_token",
     "root_activation_bytes_per_token",
@@ -89,6 +91,53 @@ def state_bytes(
         grad=dtype_bytes * shard_numel(shapes, s_g),
         optim=optim_bytes_per_param * shard_numel(shapes, s_os),
     )
+
+
+def _chunk_len(n_rows: int, k: int, index: int) -> int:
+    """Rows of chunk `index` when n rows are split over k ranks, torch.chunk / DTensor style
+    (chunks of ceil(n/k) rows, the last ones shorter or empty)."""
+    size = -(-n_rows // k) if n_rows else 0
+    return max(0, min(size, n_rows - index * size))
+
+
+def mesh_coords(plan: ResolvedPlan, rank: int) -> dict[str, int]:
+    """Mesh coordinates of a rank: rank = rep*s_os + os*s_g + g*s_p + p (brief)."""
+    return {
+        "p": rank % plan.s_p,
+        "g": (rank // plan.s_p) % (plan.s_g // plan.s_p),
+        "os": (rank // plan.s_g) % (plan.s_os // plan.s_g),
+        "rep": rank // plan.s_os,
+    }
+
+
+def state_bytes_of_rank(
+    unit_param_shapes, plan: ResolvedPlan, rank: int, dtype_bytes: int,
+    grads_synced: bool = False, optim_bytes_per_param: int = OPTIM_BYTES_PER_PARAM,
+) -> StateBytes:
+    """What one given rank holds, as the engine lays it out (layouts.py):
+
+    - P: FSDP2's padded shard, ceil(d0/s_p) rows on every rank (the full param if s_p = 1);
+    - G: flat buffers with a slot of ceil(d0/s_g) rows per tensor while accumulating; after
+      the last backward's sync they are in the OS layout, ceil(d0/s_os) rows per slot
+      (differs from the former only when s_g = s_p < s_os);
+    - OS: the real rows only (fp32 master, exp_avg, exp_avg_sq are DTensors of the rank's
+      chunk): the P chunk (torch.chunk of d0 over s_p) chunked again over the s_os/s_p
+      ranks of the OS subgroup, so ranks at the end of a tensor may hold fewer rows.
+    Rank 0 always holds full chunks, so state_bytes() (the padded formula) equals rank 0.
+    """
+    c = mesh_coords(plan, rank)
+    k = plan.s_os // plan.s_p
+    sub_index = c["g"] if plan.s_g > plan.s_p else c["os"]
+    s_grad = plan.s_os if grads_synced else plan.s_g
+    param = grad = optim = 0
+    for unit in unit_param_shapes:
+        for shape in unit:
+            d0, cols = dim0_cols(shape)
+            param += -(-d0 // plan.s_p) * cols
+            grad += -(-d0 // s_grad) * cols
+            p_rows = _chunk_len(d0, plan.s_p, c["p"])
+            optim += _chunk_len(p_rows, k, sub_index) * cols
+    return StateBytes(dtype_bytes * param, dtype_bytes * grad, optim_bytes_per_param * optim)
 
 
 def _norm_bytes(h: int, e: int, norm: str) -> int:

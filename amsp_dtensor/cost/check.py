@@ -1,0 +1,45 @@
+"""Compare the cost model with what the engine did: comm events and state bytes.
+
+Used by tests/test_cost_engine.py and callable from the engine's own tests (which already
+run every plan at W=4 and W=8): give the model's FSDP units and the recorded CommEvents of
+one step and get back the differences (empty list = exact match).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Sequence
+
+from .comm import event_counter, predicted_events
+
+__all__ = ["unit_param_shapes_of", "schedule_differences"]
+
+
+def unit_param_shapes_of(model, blocks: Iterable) -> tuple[list[list[tuple]], int]:
+    """(unit_param_shapes, root_unit_index) for a model wrapped block by block, then root.
+
+    Units follow the wrap order: each block's params, then the root's own params (those in
+    no block), as named_parameters() lists them. The root is the last unit.
+    """
+    units, seen = [], set()
+    for block in blocks:
+        shapes = []
+        for p in block.parameters():
+            seen.add(id(p))
+            shapes.append(tuple(p.shape))
+        units.append(shapes)
+    units.append([tuple(p.shape) for p in model.parameters() if id(p) not in seen])
+    return units, len(units) - 1
+
+
+def schedule_differences(
+    plan, unit_param_shapes: Sequence, micro_batches: int, dtype_bytes: int,
+    root_unit_index: int, recorded: Iterable, reshard_after_forward=True, clip: bool = False,
+) -> list[str]:
+    """Lines 'key: predicted N, recorded M' for every (op, dim, group, nbytes, inter, phase)
+    whose count differs. `recorded`: CommEvents or their key() tuples."""
+    want = event_counter(predicted_events(plan, unit_param_shapes, micro_batches, dtype_bytes,
+                                          root_unit_index, reshard_after_forward, clip))
+    got = Counter(ev if isinstance(ev, tuple) else ev.key() for ev in recorded)
+    return [f"{key}: predicted {want.get(key, 0)}, recorded {got.get(key, 0)}"
+            for key in sorted(set(want) | set(got), key=str) if want.get(key, 0) != got.get(key, 0)]
