@@ -33,6 +33,7 @@ __all__ = [
     "estimate_plan",
     "choose_plan",
     "auto_plan",
+    "plan",
     "BASELINE_LABELS",
 ]
 
@@ -104,6 +105,11 @@ class PlanReport:
     @property
     def best(self) -> PlanEstimate:
         return self.candidates[0]
+
+    @property
+    def plan(self) -> ResolvedPlan:
+        """The chosen plan (what the torchtitan bridge reads)."""
+        return self.best.plan
 
     @property
     def sharding_plan(self) -> ShardingPlan:
@@ -227,10 +233,49 @@ def choose_plan(
                                          **common)
     settings = dict(seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
                     world_size=world_size, ranks_per_node=ranks_per_node,
-                    memory_budget_bytes=int(memory_budget_bytes),
+                    memory_budget_bytes=(int(memory_budget_bytes) if memory_budget_bytes != float("inf")
+                                         else None),
                     mixed_precision=mixed_precision,
                     activation_checkpointing=activation_checkpointing, attention=attention)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name)
 
 
 auto_plan = choose_plan
+
+_TITAN_AC = {"full": "full"}  # "selective"/"memory_budget" keep more: costed as "none"
+_TITAN_DTYPE = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"}
+
+
+def plan(
+    model_args=None, *, model_name: str | None = None, seq_len: int,
+    micro_batch_size: int, num_micro_batches: int = 1, world_size: int,
+    ranks_per_node: int, gpu_memory_bytes: float | None = None,
+    activation_checkpoint: str = "none", param_dtype: str = "bfloat16",
+    bandwidth_table=None,
+) -> PlanReport:
+    """Entry point for the torchtitan integration (plan = "auto"); names follow its config.
+
+    model_args: torchtitan TransformerModelArgs (preferred: exact shapes), else model_name
+      ("llama3:8B", "llama3_8b", "debugmodel", ...). activation_checkpoint: torchtitan's mode
+      ("full" is costed as full recompute; "selective" etc. conservatively as "none").
+    param_dtype: torchtitan's mixed_precision_param ("bfloat16" or "float32").
+    gpu_memory_bytes: per rank; None = no memory filter (fastest plan).
+    bandwidth_table: a profile JSON path (python -m amsp_dtensor.profile) or None.
+    Returns the PlanReport; .plan is the chosen ResolvedPlan.
+    """
+    if model_args is not None:
+        model = model_args
+    elif model_name:
+        model = get_model(model_name.split(":")[-1])
+    else:
+        raise ValueError("planner needs model_args or model_name")
+    precision = _TITAN_DTYPE.get(str(param_dtype).replace("torch.", ""))
+    if precision is None:
+        raise ValueError(f"param_dtype={param_dtype!r}; the planner knows bfloat16 and float32")
+    return choose_plan(
+        model, seq_len=seq_len, micro_batch=micro_batch_size, micro_batches=num_micro_batches,
+        world_size=world_size, ranks_per_node=ranks_per_node,
+        memory_budget_bytes=gpu_memory_bytes if gpu_memory_bytes else float("inf"),
+        bandwidth=bandwidth_table, mixed_precision=precision,
+        activation_checkpointing=_TITAN_AC.get(activation_checkpoint, "none"),
+    )

@@ -1,0 +1,195 @@
+"""Measure the effective bandwidth of the collectives the planner may use; write a table.
+
+    torchrun --nproc_per_node N -m amsp_dtensor.profile --out table.json \
+        [--ranks-per-node R] [--min-bytes 1K] [--max-bytes 64M] [--backend gloo|nccl]
+
+For every group shape that appears in any valid plan of this world (cost/comm.py: "p",
+"g", "os", "rep", "shard" groups and hpZ's intra-node group: arithmetic progressions of
+ranks, contiguous or strided), every rank joins its group of that shape and all groups run
+the collective at once, as in a training step (so groups that share a node's links contend
+as they would). Ops: all_gather_into_tensor, reduce_scatter_tensor, all_reduce, broadcast.
+Sizes: powers of 4 from --min-bytes to --max-bytes (nbytes = the recorder's convention:
+AG output, RS input, AR/BC tensor). Time per op: a run of k back-to-back synchronous ops
+after warm-up, k chosen so a run lasts ~--target-ms, repeated --repeats times; the table
+keeps the median over repeats of the slowest rank. The JSON schema is in
+amsp_dtensor/cost/bandwidth.py; the planner reads it with --bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .cost.bandwidth import SCHEMA
+from .cost.comm import group_shape
+from .plan import enumerate_plans
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def _size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().rstrip("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 16M, 1G)") from None
+
+
+def group_shapes(world_size: int, ranks_per_node: int) -> list[tuple[int, int]]:
+    """(size, stride) of every group any valid plan (or hpZ) uses, size > 1."""
+    shapes = set()
+    for p in enumerate_plans(world_size, ranks_per_node):
+        for size, stride in ((p.s_p, 1), (p.s_g // p.s_p, p.s_p), (p.s_os // p.s_g, p.s_g),
+                             (world_size // p.s_os, p.s_os), (p.s_os, 1)):
+            if size > 1:
+                shapes.add((size, stride))
+    k = min(ranks_per_node, world_size)
+    if k > 1:
+        shapes.add((k, 1))
+    return sorted(shapes)
+
+
+def groups_of(size: int, stride: int, world_size: int) -> list[list[int]]:
+    return [[base + i * stride for i in range(size)]
+            for base in range(world_size) if (base // stride) % size == 0]
+
+
+def _run(op, group, buf_in, buf_out, src):
+    if op == "all_gather":
+        dist.all_gather_into_tensor(buf_out, buf_in, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(buf_out, buf_in, group=group)
+    elif op == "all_reduce":
+        dist.all_reduce(buf_in, group=group)
+    else:
+        dist.broadcast(buf_in, src=src, group=group)
+
+
+def _buffers(op, nbytes, n, dtype, device):
+    elem = torch.tensor([], dtype=dtype).element_size()
+    numel = max(n, (nbytes // elem) // n * n)
+    if op == "all_gather":
+        return torch.ones(numel // n, dtype=dtype, device=device), torch.empty(numel, dtype=dtype, device=device), numel * elem
+    if op == "reduce_scatter":
+        return torch.ones(numel, dtype=dtype, device=device), torch.empty(numel // n, dtype=dtype, device=device), numel * elem
+    return torch.ones(numel, dtype=dtype, device=device), None, numel * elem
+
+
+def _world_max(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure(op, group, src, nbytes, n, dtype, device, target_s, repeats, sync):
+    buf_in, buf_out, real = _buffers(op, nbytes, n, dtype, device)
+    for _ in range(2):  # warm-up (connections, allocator)
+        _run(op, group, buf_in, buf_out, src)
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    _run(op, group, buf_in, buf_out, src)
+    sync()
+    one = _world_max(time.perf_counter() - t0, device)
+    k = int(max(1, min(50, target_s / max(one, 1e-7))))
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            _run(op, group, buf_in, buf_out, src)
+        sync()
+        samples.append(_world_max((time.perf_counter() - t0) / k, device))
+    return real, statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="torchrun ... -m amsp_dtensor.profile",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON table to write (rank 0)")
+    ap.add_argument("--ranks-per-node", type=int,
+                    default=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+    ap.add_argument("--backend", choices=("gloo", "nccl"),
+                    default="nccl" if torch.cuda.is_available() else "gloo")
+    ap.add_argument("--min-bytes", type=_size, default=_size("1K"))
+    ap.add_argument("--max-bytes", type=_size, default=None,
+                    help="default 16M on gloo, 1G on nccl (capped by free GPU memory)")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--target-ms", type=float, default=20.0, help="length of one timed run")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        ap.error(f"unknown ops {bad}; choose from {OPS}")
+
+    dist.init_process_group(args.backend)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    R = args.ranks_per_node or world
+    if world % R:
+        ap.error(f"world size {world} is not a multiple of --ranks-per-node {R}")
+    if args.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        sync = torch.cuda.synchronize
+        max_bytes = args.max_bytes or min(2**30, torch.cuda.mem_get_info(device)[0] // 4)
+    else:
+        device = torch.device("cpu")
+        sync = lambda: None  # noqa: E731  (gloo ops are synchronous)
+        max_bytes = args.max_bytes or 16 * 2**20
+    dtype = getattr(torch, args.dtype)
+    sizes = []
+    s = args.min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 4
+    entries = []
+    started = time.time()
+    for size, stride in group_shapes(world, R):
+        my_group, _ = dist.new_subgroups_by_enumeration(groups_of(size, stride, world))
+        members = next(g for g in groups_of(size, stride, world) if rank in g)
+        shape = group_shape(size, stride, world, R)
+        for op in ops:
+            points = []
+            for nbytes in sizes:
+                real, seconds = measure(op, my_group, members[0], nbytes, size, dtype, device,
+                                        args.target_ms / 1e3, args.repeats, sync)
+                points.append([real, seconds])
+            entries.append({"op": op, "group_size": size, "stride": stride,
+                            "group_ranks_per_node": shape.ranks_per_node,
+                            "group_nodes": shape.nodes, "inter_node": shape.inter_node,
+                            "points": points})
+            if rank == 0:
+                big_n, big_t = points[-1]
+                print(f"{op:>14} n={size} stride={stride} nodes={shape.nodes}: "
+                      f"{big_n / big_t / 1e9:7.3f} GB/s at {big_n / 2**20:.1f} MiB",
+                      file=sys.stderr, flush=True)
+    if rank == 0:
+        table = {"schema": SCHEMA, "backend": args.backend, "device": str(device.type),
+                 "world_size": world, "ranks_per_node": R,
+                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                 "dtype": args.dtype, "repeats": args.repeats, "target_ms": args.target_ms,
+                 "seconds_taken": round(time.time() - started, 1), "entries": entries}
+        with open(args.out, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"wrote {args.out}: {len(entries)} entries in {time.time() - started:.0f}s",
+              file=sys.stderr)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
