@@ -27,20 +27,25 @@ def _nbytes(t: torch.Tensor) -> int:
 class PendingComm:
     """An issued async collective; ``wait()`` completes it and records it."""
 
-    __slots__ = ("work", "event_args", "timer", "result")
+    __slots__ = ("work", "event_args", "timer", "result", "recorders")
 
     def __init__(self, work, event_args: dict | None, result: torch.Tensor):
         self.work = work
         self.event_args = event_args
         self.timer = Timer()
         self.result = result
+        # The event belongs to the recorders active at issue time, even if it completes
+        # later (the post-step all-gather lands in the next forward).
+        self.recorders = active_recorders()
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
         if self.event_args is not None:
-            emit(CommEvent(seconds=self.timer.elapsed(), **self.event_args))
+            event = CommEvent(seconds=self.timer.elapsed(), **self.event_args)
+            for recorder in self.recorders:
+                recorder.add(event)
             self.event_args = None
         return self.result
 

@@ -72,10 +72,12 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
         amsp.fully_shard(block, mesh=mesh, plan=sharding)
     amsp.fully_shard(model, mesh=mesh, plan=sharding)
     optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-    losses, norms, events, memory = [], [], [], {}
+    losses, norms, memory = [], [], {}
+    # Events land when their collective completes (the post-step all-gather completes in
+    # the next forward), so the recorder is read after training.
+    recorder = amsp.CommRecorder()
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
-        recorder = amsp.CommRecorder()
         ctx = amsp.record_comms(recorder) if step == record_step else _null()
         step_loss = torch.zeros(1)
         with ctx:
@@ -91,13 +93,12 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
             norms.append(optim.clip_grad_norm_(MAX_NORM).item())
             optim.step()
             optim.zero_grad()
-        if step == record_step:
-            events = [e.key() for e in recorder.events]
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world_size)
     mem = amsp.memory_by_state(model, optim)
     memory["param"], memory["optim"] = mem["param"], mem["optim"]
     optim.finish_param_sync()
+    events = [e.key() for e in recorder.events]
     weights = {}
     for name, param in model.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()

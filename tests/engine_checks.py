@@ -1,0 +1,54 @@
+"""Assertions shared by the world-4 and world-8 engine tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine_cases import rel_diff
+from engine_expectations import expected_step_events, ideal_bytes
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+ELEM = {"fp32": 4, "bf16": 2}
+
+
+def check_equivalence(case, ref, dtype):
+    rank0 = case[0]
+    tol = TOLERANCE[dtype]
+    assert rel_diff(rank0["losses"], ref["losses"]) <= tol, (rank0["losses"], ref["losses"])
+    assert rel_diff(rank0["norms"], ref["norms"]) <= tol, (rank0["norms"], ref["norms"])
+    for name, want in ref["weights"].items():
+        got = rank0["weights"][name]
+        assert got.shape == want.shape, name
+        assert rel_diff(got, want) <= tol, (name, rel_diff(got, want))
+    # every rank saw the same (all-reduced) losses and global norms
+    for other in case[1:]:
+        assert other["losses"] == rank0["losses"]
+        assert other["norms"] == rank0["norms"]
+    # and training did something
+    assert rank0["losses"][-1] < rank0["losses"][0]
+
+
+def check_memory(case, plan, world, dtype):
+    elem = ELEM[dtype]
+    ideal = ideal_bytes(plan, elem)
+    row = ideal["row_elems"]
+    for rank, result in enumerate(case):
+        mem = result["memory"]
+        assert ideal["param"] <= mem["param"] <= ideal["param"] + elem * row, (rank, mem, ideal)
+        assert ideal["grad"] <= mem["grad"] <= ideal["grad"] + elem * row, (rank, mem, ideal)
+        assert mem["optim"] <= ideal["optim"] + 12 * row, (rank, mem, ideal)
+    # one shard group (ranks 0 .. s_os-1) holds exactly one copy of the fp32 master + 2 states
+    s_os = plan[2]
+    assert sum(case[r]["memory"]["optim"] for r in range(s_os)) == 12 * ideal["phi"]
+
+
+def check_schedule(case, plan, world, per_node, micro_batches, dtype):
+    want = expected_step_events(plan, world, per_node, micro_batches, ELEM[dtype])
+    for rank, result in enumerate(case):
+        got = Counter(result["events"])
+        assert got == want, (rank, sorted((got - want).items()), sorted((want - got).items()))
+    # no cross-replica traffic before the last micro-batch: only P and G collectives there
+    for key in want:
+        op, dim, _, _, _, phase = key
+        if phase in ("forward", "backward"):
+            assert dim in ("p", "g"), key

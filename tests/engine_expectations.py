@@ -1,0 +1,87 @@
+"""What the engine SHOULD do, written from DESIGN.md's schedule and PAPER.md's memory
+model, independently of the engine's code (no amsp_dtensor imports beyond the test model)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from amsp_dtensor.testing.tiny_llama import TinyLlama
+
+
+def unit_shapes():
+    """[(is_root, [shape, ...])] for TinyLlama sharded per block then at the root."""
+    model = TinyLlama()
+    units = [(False, [tuple(p.shape) for p in layer.parameters()]) for layer in model.layers]
+    block_ids = {id(p) for layer in model.layers for p in layer.parameters()}
+    root = [tuple(p.shape) for p in model.parameters() if id(p) not in block_ids]
+    return units + [(True, root)]
+
+
+def _rows_cols(shape):
+    return (shape[0] if shape else 1), (math.prod(shape[1:]) if len(shape) > 1 else 1)
+
+
+def padded(shapes, s, elem):
+    """Bytes of a unit's tensors with each dim 0 padded to a multiple of s."""
+    total = 0
+    for shape in shapes:
+        rows, cols = _rows_cols(shape)
+        total += s * math.ceil(rows / s) * cols
+    return total * elem
+
+
+def _inter(dim, plan, world, per_node):
+    s_p, s_g, s_os = plan
+    size = {"p": s_p, "g": s_g // s_p, "os": s_os // s_g, "rep": world // s_os, "shard": s_os}[dim]
+    stride = {"p": 1, "g": s_p, "os": s_g, "rep": s_os, "shard": 1}[dim]
+    span = (size - 1) * stride + 1  # ranks covered by the group holding rank 0
+    return size, span > per_node
+
+
+def expected_step_events(plan, world, per_node, micro_batches, elem, clip=True):
+    """Counter of (op, dim, group_size, nbytes, inter_node, phase) for one step."""
+    s_p, s_g, s_os = plan
+    events = Counter()
+
+    def add(op, dim, nbytes, phase):
+        size, inter = _inter(dim, plan, world, per_node)
+        events[(op, dim, size, nbytes, inter, phase)] += 1
+
+    for micro in range(micro_batches):
+        last = micro == micro_batches - 1
+        for is_root, shapes in unit_shapes():
+            if s_p > 1:
+                add("all_gather", "p", padded(shapes, s_p, elem), "forward")
+                if not is_root:  # FSDP2 keeps the root unsharded after forward
+                    add("all_gather", "p", padded(shapes, s_p, elem), "backward")
+                add("reduce_scatter", "p", padded(shapes, s_p, elem), "backward")
+            if s_g > s_p:
+                add("reduce_scatter", "g", padded(shapes, s_g, elem) // s_p, "sync" if last else "backward")
+            if last:
+                if s_g == s_p and s_os > s_p:
+                    add("reduce_scatter", "os", padded(shapes, s_os, elem) // s_p, "sync")
+                if world // s_os > 1:
+                    add("all_reduce", "rep", padded(shapes, s_os, elem) // s_os, "sync")
+    if clip and s_os > 1:
+        add("all_reduce", "shard", 4, "step")
+    if s_os > s_p:
+        for _, shapes in unit_shapes():
+            add("all_gather", "g" if s_g > s_p else "os", padded(shapes, s_os, elem) // s_p, "step")
+    return events
+
+
+def ideal_bytes(plan, elem):
+    """PAPER.md memory model per rank: (P, G, OS) = (e/s_p, e/s_g, 12/s_os) * Phi, and the
+    padding allowance of one row per tensor."""
+    s_p, s_g, s_os = plan
+    shapes = [s for _, unit in unit_shapes() for s in unit]
+    phi = sum(math.prod(s) for s in shapes)
+    row = sum(_rows_cols(s)[1] for s in shapes)  # one row of every tensor, in elements
+    return {
+        "phi": phi,
+        "param": elem * phi / s_p,
+        "grad": elem * phi / s_g,
+        "optim": 12 * phi / s_os,
+        "row_elems": row,
+    }

@@ -1,0 +1,137 @@
+"""Bad plans, meshes and calls, run inside a live process group: each must raise a
+ValueError or TypeError naming the problem, before any collective, and the group must
+still work afterwards."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard as torch_fully_shard
+
+import amsp_dtensor as amsp
+from amsp_dtensor.plan import ShardingPlan
+from amsp_dtensor.testing.scenarios import make_model
+from amsp_dtensor.testing.tiny_llama import TinyLlama, loss_fn
+
+# (name, expected exception, text the message must contain)
+EXPECTED = [
+    ("plan breaks chain order", ValueError, "param <= grad <= optim"),
+    ("factor does not divide world", ValueError, "divide"),
+    ("plan of wrong type", TypeError, "ShardingPlan"),
+    ("resolved plan for another world", ValueError, "this job has 4 ranks"),
+    ("plan differs from mesh", ValueError, "does not match the mesh"),
+    ("not a module", TypeError, "nn.Module"),
+    ("mesh not from init_mesh", ValueError, "amsp.init_mesh"),
+    ("sharded twice", ValueError, "already sharded"),
+    ("mp_policy of wrong type", TypeError, "MixedPrecisionPolicy"),
+    ("hpZ factor not dividing param_shard", ValueError, "reshard_after_forward=3"),
+    ("meta-device params", ValueError, "meta device"),
+    ("mixed dtypes", ValueError, "mixes parameter dtypes"),
+    ("frozen params", ValueError, "does not require grad"),
+    ("optimizer class is a string", TypeError, "torch.optim.Optimizer subclass"),
+    ("optimizer on an unsharded model", ValueError, "not an AMSP root"),
+    ("no_sync on an unsharded model", ValueError, "not an AMSP root"),
+    ("divide factor zero", ValueError, "positive"),
+    ("clip with max_norm 0", ValueError, "max_norm must be positive"),
+    ("already wrapped by torch fully_shard", ValueError, "torch's fully_shard"),
+    ("cast without all-gather", ValueError, "param_shard=1 has none"),
+    ("step after no_sync only", RuntimeError, "outside no_sync"),
+]
+
+
+def run_error_cases(rank, world):
+    plan = ShardingPlan(2, 2, 4)
+    mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
+    replica = ShardingPlan(1, 1, 1)
+    replica_mesh = amsp.init_mesh(replica, ranks_per_node=2, device_type="cpu")
+    plain_mesh = init_device_mesh("cpu", (4,))
+
+    def sharded_model():
+        model = make_model(torch.float32)
+        for block in model.layers:
+            amsp.fully_shard(block, mesh=mesh, plan=plan)
+        return amsp.fully_shard(model, mesh=mesh, plan=plan)
+
+    good = sharded_model()
+    good_optim = amsp.AMSPOptimizer(good, torch.optim.AdamW, lr=1e-3)
+
+    def frozen():
+        m = make_model(torch.float32)
+        m.layers[0].attention.wq.weight.requires_grad_(False)
+        amsp.fully_shard(m.layers[0], mesh=mesh, plan=plan)
+
+    def mixed():
+        m = make_model(torch.float32)
+        m.layers[0].attention.wq.to(torch.bfloat16)
+        amsp.fully_shard(m.layers[0], mesh=mesh, plan=plan)
+
+    def meta():
+        with torch.device("meta"):
+            m = TinyLlama()
+        amsp.fully_shard(m.layers[0], mesh=mesh, plan=plan)
+
+    def torch_wrapped():
+        m = make_model(torch.float32)
+        torch_fully_shard(m.layers[0], mesh=plain_mesh)
+        amsp.fully_shard(m.layers[0], mesh=mesh, plan=plan)
+
+    def no_sync_then_step():
+        tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(rank))
+        with amsp.no_sync(good):
+            loss_fn(good(tokens[:, :-1]), tokens[:, 1:]).backward()
+        good_optim.step()
+
+    cases = [
+        lambda: ShardingPlan(2, 1, 4).resolve(4, 2),
+        lambda: amsp.init_mesh(ShardingPlan(3, 3, 3), ranks_per_node=2, device_type="cpu"),
+        lambda: amsp.init_mesh("full", ranks_per_node=2),
+        lambda: amsp.init_mesh(ShardingPlan().resolve(8, 4), ranks_per_node=2),
+        lambda: amsp.fully_shard(make_model(torch.float32), mesh=mesh, plan=replica),
+        lambda: amsp.fully_shard("layer", mesh=mesh, plan=plan),
+        lambda: amsp.fully_shard(make_model(torch.float32), mesh=plain_mesh, plan=plan),
+        lambda: amsp.fully_shard(good.layers[0], mesh=mesh, plan=plan),
+        lambda: amsp.fully_shard(make_model(torch.float32), mesh=mesh, plan=plan, mp_policy="bf16"),
+        lambda: amsp.fully_shard(make_model(torch.float32), mesh=mesh, plan=plan, reshard_after_forward=3),
+        meta,
+        mixed,
+        frozen,
+        lambda: amsp.AMSPOptimizer(good, "adamw", lr=1e-3),
+        lambda: amsp.AMSPOptimizer(make_model(torch.float32), torch.optim.AdamW),
+        lambda: amsp.no_sync(make_model(torch.float32)).__enter__(),
+        lambda: amsp.set_gradient_divide_factor(good, 0),
+        lambda: good_optim.clip_grad_norm_(0.0),
+        torch_wrapped,
+        lambda: amsp.fully_shard(
+            make_model(torch.float32).layers[0], mesh=replica_mesh, plan=replica,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        ),
+        no_sync_then_step,
+    ]
+    outcomes = []
+    for (name, _, _), case in zip(EXPECTED, cases):
+        try:
+            case()
+            outcomes.append((name, None, "no exception"))
+        except Exception as exc:  # noqa: BLE001 - the test inspects the type
+            outcomes.append((name, type(exc).__name__, str(exc)))
+    # The group still works: a proper step after the errors, and a plain collective.
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(rank))
+    loss_fn(good(tokens[:, :-1]), tokens[:, 1:]).backward()
+    good_optim.step()
+    good_optim.zero_grad()
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return {"outcomes": outcomes, "all_reduce": ones.item()}
+
+
+def check_error_results(per_rank):
+    for result in per_rank:
+        assert result["all_reduce"] == 4.0
+        for (name, exc_type, text), (got_name, got_type, message) in zip(EXPECTED, result["outcomes"]):
+            assert got_name == name
+            assert got_type == exc_type.__name__, (name, got_type, message)
+            assert text in message, (name, message)
+            assert "\n" not in message.strip(), (name, message)
+    value_or_type = [e for e in EXPECTED if e[1] in (ValueError, TypeError)]
+    assert len(value_or_type) >= 12
