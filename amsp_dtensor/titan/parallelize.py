@@ -20,6 +20,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
 
 from .validate import AmspConfigError, resolve_plan
+from .weights import init_full_model, keep_weights
 
 PLAN_ATTR = "_amsp_plan"  # set on the root module: marks an AMSP model, holds its ResolvedPlan
 
@@ -52,6 +53,23 @@ def _mixed_precision(job_config) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
+def _drop_stale_state_dict_hooks(model: nn.Module) -> None:
+    """WORKAROUND (engine, amsp_dtensor/shard.py _become_root): every module passed to
+    amsp.fully_shard gets a state_dict pre-hook that reads ``module._amsp_state``, but only
+    the last (root) call keeps that attribute; the blocks' hooks then raise
+    AttributeError in ``model.state_dict()``, which torchtitan's CheckpointManager calls
+    at start-up even with checkpointing off. Remove the hooks of non-root modules (the
+    root's hook finishes the updates of every unit). Drop this once the engine does it.
+    """
+    for module in model.modules():
+        if module is model or hasattr(module, "_amsp_state"):
+            continue
+        hooks = module._state_dict_pre_hooks
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "__name__", "") == "_finish_updates_before_state_dict":
+                del hooks[key]
+
+
 def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_config):
     import amsp_dtensor as amsp
 
@@ -71,6 +89,10 @@ def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_co
     if compile_model:
         apply_compile(model, job_config.compile)
 
+    # amsp.fully_shard shards real tensors: initialise the full model first (same seed on
+    # every rank), then keep torchtitan's later to_empty/init_weights off it.
+    init_full_model(model, job_config)
+
     sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
     mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node, device_type=device_type)
     mp_policy = _mixed_precision(job_config)
@@ -82,6 +104,8 @@ def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_co
     # torchtitan divides the loss by the global token count itself (Trainer.train_step):
     # the engine must sum gradients, not average them over ranks.
     amsp.set_gradient_divide_factor(model, 1.0)
+    _drop_stale_state_dict_hooks(model)
+    keep_weights(model)
     setattr(model, PLAN_ATTR, plan)
     logger.info(
         f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "

@@ -20,6 +20,7 @@ import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
 from .parallelize import amsp_plan_of
+from .weights import reinit_like_single_process
 
 
 @contextlib.contextmanager
@@ -46,8 +47,16 @@ class AmspTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
         self.amsp_plan = amsp_plan_of(self.model_parts[0])
+        amsp_cfg = getattr(job_config, "amsp", None)
+        if self.amsp_plan is None and amsp_cfg is not None and amsp_cfg.init_like_single_process:
+            # Plain torch optimizers hold no state before their first step, so the params
+            # can still be overwritten here.
+            reinit_like_single_process(
+                self.model_parts[0], self.train_spec.model_cls, self.model_args, job_config
+            )
         self._microbatch = 0
-        self.last_comm_events: list = []
+        self.last_comm_events: list = []  # CommEvents of the last logged step
+        self._unlogged_steps: list = []  # (step, CommRecorder, memory_by_state) not yet logged
 
     @property
     def amsp_enabled(self) -> bool:
@@ -75,7 +84,26 @@ class AmspTrainer(Trainer):
 
         with amsp.record_comms() as rec, _clip_through(self.optimizers):
             super().train_step(data_iterator)
-        self.last_comm_events = list(rec.events)
-        if self.metrics_processor.should_log(self.step) and hasattr(self.metrics_processor, "log_amsp"):
+        if self.metrics_processor.should_log(self.step):
             memory = amsp.memory_by_state(self.model_parts[0], self.optimizers.optimizers[0])
-            self.metrics_processor.log_amsp(self.step, self.amsp_plan, self.last_comm_events, memory)
+            self._unlogged_steps.append((self.step, rec, memory))
+        last = self.step >= self.job_config.training.steps
+        if last:
+            # Nothing left to overlap the post-step all-gather with: complete it now.
+            for opt in self.optimizers.optimizers:
+                opt.finish_param_sync()
+        self._log_comms(keep_newest=not last)
+
+    def _log_comms(self, keep_newest: bool) -> None:
+        """Log each step's collectives once they have all completed.
+
+        The post-step all-gather (OS -> P) of step N is issued in N's optimizer step but
+        completes, and is recorded into N's recorder, in step N+1's forward (the engine
+        overlaps it). So step N's comm scalars are written after step N+1 has run.
+        """
+        ready = self._unlogged_steps[:-1] if keep_newest else self._unlogged_steps
+        for step, rec, memory in ready:
+            self.last_comm_events = list(rec.events)
+            if hasattr(self.metrics_processor, "log_amsp"):
+                self.metrics_processor.log_amsp(step, self.amsp_plan, self.last_comm_events, memory)
+        self._unlogged_steps = self._unlogged_steps[len(ready):]

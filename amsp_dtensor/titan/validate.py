@@ -89,8 +89,11 @@ def resolve_explicit(cfg: Amsp, world: int, ranks_per_node: int) -> ResolvedPlan
         return ShardingPlan(s_p, s_g, s_os).resolve(world, ranks_per_node)
     except ValueError as e:
         key = _chain_key(s_p, s_g, s_os)
-        detail = str(e).split(": ", 1)[-1]
-        raise AmspConfigError(f"amsp.{key}={getattr(cfg, key)!r}: {detail}") from None
+        detail = str(e).split("): ", 1)[-1]  # drop the plan module's own preamble
+        raise AmspConfigError(
+            f"amsp.{key}={getattr(cfg, key)!r}: plan param={s_p}, grad={s_g}, optim={s_os} "
+            f"breaks {detail}"
+        ) from None
 
 
 def check_reshard_after_forward(cfg: Amsp, plan: ResolvedPlan) -> None:

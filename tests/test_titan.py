@@ -1,0 +1,200 @@
+"""torchtitan integration: the debug recipe under torchrun, TensorBoard scalars, [amsp] errors.
+
+Multi-process runs take /tmp/amsp_cpu.lock (the machine's 2 cores are shared) and a
+timeout. The helpers here are reused by test_titan_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "debug_cpu.toml"
+LOCK = "/tmp/amsp_cpu.lock"
+
+
+def torchrun(args: list[str], dump: Path, nproc: int = 4, timeout: int = 280) -> subprocess.CompletedProcess:
+    """``torchrun -m amsp_dtensor.train`` on the debug recipe, dump folder ``dump``."""
+    cmd = [
+        "flock", LOCK, "timeout", str(timeout),
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
+        "--job.dump_folder", str(dump), *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def scalars(dump: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from the TensorBoard event files under dump/tb."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    runs = glob.glob(str(dump / "tb" / "*"))
+    assert runs, f"no TensorBoard run folder under {dump / 'tb'}"
+    for run in runs:
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def losses(dump: Path) -> list[float]:
+    curve = scalars(dump)["loss_metrics/global_avg_loss"]
+    return [curve[s] for s in sorted(curve)]
+
+
+# --------------------------------------------------------------------------------------
+# The debug recipe (the README's main job), a few steps, 4 ranks = 2 simulated nodes x 2.
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("debug_cpu")
+    proc = torchrun(["--training.steps", "3"], dump)
+    return dump, proc
+
+
+def test_debug_recipe_trains_and_loss_falls(debug_run):
+    dump, proc = debug_run
+    curve = losses(dump)
+    assert len(curve) == 3
+    assert curve[-1] < curve[0] - 0.2, curve  # measured: about 8.04 -> 7.38 in 3 steps
+    assert "plan p2-g2-os4 on 4 ranks (2 per node)" in proc.stdout + proc.stderr
+
+
+def test_tensorboard_holds_the_scalars(debug_run):
+    dump, _ = debug_run
+    tb = scalars(dump)
+    for tag in (
+        "loss_metrics/global_avg_loss",
+        "throughput(tps)",
+        "memory_by_state/param(MiB)",
+        "memory_by_state/grad(MiB)",
+        "memory_by_state/optim(MiB)",
+        "comm/all_gather/p/bytes",
+        "comm/all_gather/p/seconds",
+        "comm/reduce_scatter/p/bytes",
+        "comm/reduce_scatter/os/bytes",
+        "comm/all_gather/os/bytes",
+        "comm/intra_node_bytes",
+        "comm/inter_node_bytes",
+    ):
+        assert tag in tb, f"{tag} missing; have {sorted(tb)}"
+        assert set(tb[tag]) == {1, 2, 3}, (tag, tb[tag])
+    assert "mfu(%)" not in tb  # no known peak FLOP rate on CPU
+    assert tb["amsp/s_p"][1] == 2 and tb["amsp/s_g"][1] == 2 and tb["amsp/s_os"][1] == 4
+
+
+def test_no_cross_replica_traffic_on_the_first_micro_batch(debug_run):
+    """2 micro-batches per step: the OS-group reduce-scatter (the only collective that
+    leaves a node besides the clip norm and the post-step all-gather) runs once per unit
+    per step, i.e. only in the last micro-batch; the P-group reduce-scatter runs in both."""
+    dump, _ = debug_run
+    tb = scalars(dump)
+    units = 6 + 1  # llama3 debugmodel: 6 transformer blocks + the root
+    micro_batches = 2
+    for step in (1, 2, 3):
+        assert tb["comm/reduce_scatter/os/count"][step] == units
+        assert tb["comm/reduce_scatter/p/count"][step] == units * micro_batches
+        assert tb["comm/all_gather/os/count"][step] == units
+
+
+def test_memory_by_state_matches_the_plan(debug_run):
+    """fp32 params: P = 4/s_p, G = 4/s_g, OS = 12/s_os bytes per param (padding aside)."""
+    dump, _ = debug_run
+    tb = scalars(dump)
+    n = 6_163_712  # llama3 debugmodel parameters (torchtitan's count)
+    mib = 2**20
+    for key, per_param in (("param", 4 / 2), ("grad", 4 / 2), ("optim", 12 / 4)):
+        got = tb[f"memory_by_state/{key}(MiB)"][1]
+        assert got == pytest.approx(n * per_param / mib, rel=0.02), key
+
+
+# --------------------------------------------------------------------------------------
+# [amsp] validation: one line naming the key, non-zero exit, before any training.
+# --------------------------------------------------------------------------------------
+def _main(argv, monkeypatch, capsys, world=4, local=2):
+    from amsp_dtensor import train
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    monkeypatch.setenv("RANK", "0")
+    code = train.main(["--job.config_file", str(RECIPE), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+@pytest.mark.parametrize(
+    "argv, world, starts_with",
+    [
+        (["--amsp.optim_shard", "3"], 4, "amsp.optim_shard=3: does not divide the world size 4"),
+        (["--amsp.param_shard", "fulll"], 4, "amsp.param_shard='fulll': not a strategy"),
+        (["--amsp.param_shard", "0"], 4, "amsp.param_shard=0:"),
+        (["--amsp.param_shard", "4"], 4, "amsp.grad_shard=2: plan param=4, grad=2, optim=4 breaks rule 'param <= grad <= optim'"),
+        (["--amsp.grad_shard", "1"], 4, "amsp.grad_shard=1:"),
+        (["--amsp.optim_shard", "full", "--amsp.param_shard", "1"], 4,
+         "amsp.grad_shard=2: plan param=1, grad=2, optim=4 breaks rule 'grad follows param or optim'"),
+        ([], 6, "amsp.optim_shard=4: does not divide the world size 6"),
+        (["--amsp.ranks_per_node", "3"], 4, "amsp.ranks_per_node=3: the world size 4"),
+        (["--amsp.plan", "best"], 4, "amsp.plan='best':"),
+        (["--amsp.reshard_after_forward", "3"], 4, "amsp.reshard_after_forward=3:"),
+    ],
+)
+def test_bad_amsp_setting_is_one_line_naming_the_key(argv, world, starts_with, monkeypatch, capsys):
+    code, err = _main(argv, monkeypatch, capsys, world=world)
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith("amsp_dtensor.train: error: " + starts_with), err[0]
+
+
+def test_unknown_key_in_toml(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(RECIPE.read_text().replace("[amsp]\n", "[amsp]\nparam_shards = 2\n"))
+    from amsp_dtensor import train
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code = train.main(["--job.config_file", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("amsp_dtensor.train: error: amsp.param_shards: unknown key in [amsp]")
+
+
+def test_cli_flags_reach_the_config():
+    from amsp_dtensor.titan import resolve_plan
+    from amsp_dtensor.train import parse_job_config
+
+    cfg = parse_job_config([
+        "--job.config_file", str(RECIPE), "--amsp.param_shard", "4", "--amsp.grad_shard", "full",
+        "--amsp.optim_shard", "4", "--amsp.reshard_after_forward", "2",
+    ])
+    assert (cfg.amsp.param_shard, cfg.amsp.grad_shard, cfg.amsp.optim_shard) == (4, "full", 4)
+    assert cfg.amsp.reshard_after_forward == 2 and cfg.amsp.ranks_per_node == 2
+    plan = resolve_plan(cfg, world=4)
+    assert (plan.s_p, plan.s_g, plan.s_os, plan.ranks_per_node) == (4, 4, 4, 2)
+
+
+def test_error_exit_from_a_fresh_process_has_no_traceback():
+    env = dict(os.environ, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", RANK="0", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
+         "--amsp.optim_shard", "3"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if "amsp_dtensor.train: error:" in l]
+    assert lines == [textwrap.dedent(
+        "amsp_dtensor.train: error: amsp.optim_shard=3: does not divide the world size 4; "
+        "valid factors on 4 ranks (2 per node): 1, 2, 4"
+    )]
