@@ -1,0 +1,72 @@
+"""Peak CPU memory of one system's training steps, from glibc's allocator counters.
+
+CPU tensors have no allocator statistics like ``torch.cuda.max_memory_allocated``, and RSS
+is useless when several systems run one after another in one process (freed memory stays
+mapped). glibc's ``mallinfo2()`` gives the bytes in use right now (``uordblks`` from the
+arenas + ``hblkhd`` from mmap, which is where big tensors live), over all arenas. We sample
+it at every transformer block's forward entry/exit and backward entry (a hook on the
+block's output grad), and after the
+optimizer step: the high-water mark of those samples minus the in-use bytes before the
+system was built is the system's peak (model states + activations + gathered params + comm
+buffers). A sample between two hook points can miss a short spike inside one block, so
+this is a lower bound on the true peak, taken the same way for every system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+        "uordblks", "fordblks", "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _MallInfo2
+
+
+def in_use_bytes() -> int:
+    info = _libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class PeakMemory:
+    """High-water mark of in-use bytes at hook points, relative to a baseline."""
+
+    def __init__(self) -> None:
+        gc.collect()
+        self.baseline = in_use_bytes()
+        self.peak = self.baseline
+        self._handles = []
+
+    def sample(self, *_args, **_kw) -> None:
+        now = in_use_bytes()
+        if now > self.peak:
+            self.peak = now
+
+    def attach(self, blocks) -> None:
+        for block in blocks:
+            self._handles.append(block.register_forward_pre_hook(lambda *a: self.sample()))
+            self._handles.append(block.register_forward_hook(self._after_forward))
+
+    def _after_forward(self, module, inputs, output) -> None:
+        self.sample()
+        # backward entry of this block = the grad of its output arrives (a tensor hook, so
+        # FSDP2's own backward hooks on the module are left alone)
+        if getattr(output, "requires_grad", False):
+            output.register_hook(lambda grad: self.sample())
+
+    def reset_peak(self) -> None:
+        self.peak = in_use_bytes()
+
+    @property
+    def peak_delta(self) -> int:
+        return self.peak - self.baseline
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

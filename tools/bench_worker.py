@@ -1,0 +1,244 @@
+"""The torchrun worker of tools/bench.py: every system, interleaved, several repetitions.
+
+Order: for rep in reps: for system in systems: build from the same seed, run
+``warmup`` steps, ``steps`` timed steps, then one recorded step (collectives counted by
+tools/bench_comm for every system and by amsp.record_comms for AMSP; AMSP's post-step
+all-gather is waited for inside it with finish_param_sync, so this step is not timed).
+Rank 0 writes one JSON with per-rep step times (max over ranks), per-step global losses,
+bytes per step, state bytes and peak memory per rank, and the planner's prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+
+import torch
+import torch.distributed as dist
+
+from tools import bench_comm, bench_memory, bench_systems as S
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flavor", default="debugmodel")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch")
+    ap.add_argument("--micro-batches", type=int, default=4, help="M: grad-accumulation steps")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", default="ddp,zero1,zero3,hsdp,hpz,amsp")
+    ap.add_argument("--plans", default="", help="extra AMSP plans, e.g. p2-g4-os4,p1-g1-os4")
+    ap.add_argument("--mem-budget-gib", default="hsdp",
+                    help="planner budget per rank (GiB), or 'hsdp': the planner's estimate of "
+                         "HSDP's memory for the same model and batch")
+    ap.add_argument("--intra-bw", type=float, default=1.0e9, help="bytes/s, for the planner")
+    ap.add_argument("--inter-bw", type=float, default=125e6, help="bytes/s, for the planner")
+    ap.add_argument("--attention", default="flash", help="planner's activation model")
+    ap.add_argument("--out", required=True)
+    return ap.parse_args(argv)
+
+
+def parse_plan(name: str, world: int, rpn: int):
+    from amsp_dtensor.plan import ShardingPlan
+
+    fields = name.strip().split("-")
+    try:
+        s_p, s_g, s_os = (int(f.lstrip("pgos")) for f in fields)
+    except ValueError:
+        raise SystemExit(f"plan {name!r}: write it as p<s_p>-g<s_g>-os<s_os>, e.g. p2-g2-os4")
+    return ShardingPlan(s_p, s_g, s_os).resolve(world, rpn)
+
+
+def planner_choice(args, model_args, world, rpn):
+    """(plan, report dict or None, note) from amsp_dtensor.cost.planner.choose_plan."""
+    try:
+        from amsp_dtensor.cost import AlphaBeta, choose_plan
+    except ImportError as e:
+        return parse_plan("p2-g2-os4", world, rpn), None, f"planner unavailable ({e}): p2-g2-os4"
+    common = dict(
+        seq_len=args.seq, micro_batch=args.micro_batch,
+        micro_batches=args.micro_batches, world_size=world, ranks_per_node=rpn,
+        bandwidth=AlphaBeta(intra_bw=args.intra_bw, inter_bw=args.inter_bw,
+                            intra_alpha=20e-6, inter_alpha=50e-6),
+        mixed_precision="fp32", attention=args.attention, clip=False)
+    if str(args.mem_budget_gib) == "hsdp":
+        probe = choose_plan(model_args, memory_budget_bytes=2**50, **common)
+        budget = probe.baselines["hsdp"].memory.total
+        budget_note = "the planner's estimate of HSDP's memory"
+    else:
+        budget = float(args.mem_budget_gib) * 2**30
+        budget_note = f"{args.mem_budget_gib} GiB"
+    report = choose_plan(model_args, memory_budget_bytes=budget, **common)
+    best = report.best
+    summary = {
+        "chosen": best.plan.name,
+        "budget_bytes": int(budget), "budget_note": budget_note,
+        "chosen_bytes_inter": best.bytes_inter, "chosen_bytes_intra": best.bytes_intra,
+        "time_model": report.time_model,
+        "candidates": [
+            {"plan": c.plan.name, "comm_s": c.comm_seconds, "memory": c.memory.total,
+             "fits": c.fits, "bytes_intra": c.bytes_intra, "bytes_inter": c.bytes_inter}
+            for c in report.candidates],
+    }
+    return best.plan, summary, f"planner choice {best.plan.name}"
+
+
+def predicted_bytes(system_key, plan, model, blocks, args, world, rpn):
+    """The cost model's bytes per step for a system (same schedule formulas as the planner)."""
+    try:
+        from amsp_dtensor.cost.check import unit_param_shapes_of
+        from amsp_dtensor.cost.comm import bytes_by_locality, event_counter, predicted_events
+        from amsp_dtensor.plan import ShardingPlan
+    except ImportError:
+        return None
+    units, root = unit_param_shapes_of(model, blocks)
+    rs = True
+    if system_key.startswith("amsp"):
+        rp = plan
+    else:
+        spec = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "zero3": (world,) * 3,
+                "hsdp": (rpn,) * 3, "hpz": (world,) * 3}[system_key]
+        rp = ShardingPlan(*spec).resolve(world, rpn)
+        if system_key == "hpz":
+            rs = rpn
+    events = predicted_events(rp, units, args.micro_batches, 4, root,
+                              reshard_after_forward=rs, clip=False)
+    counts = event_counter(events)
+    return {"plan": rp.name, "bytes": bytes_by_locality(events),
+            "events": sorted([list(k) + [n] for k, n in counts.items()], key=str)}
+
+
+def make_batches(step: int, args, world: int, rank: int, vocab: int):
+    g = torch.Generator().manual_seed(10_000 + step)
+    data = torch.randint(0, vocab, (args.micro_batches, world * args.micro_batch, args.seq + 1),
+                         generator=g)
+    mine = data[:, rank * args.micro_batch:(rank + 1) * args.micro_batch]
+    return [(mine[i, :, :-1].contiguous(), mine[i, :, 1:].contiguous())
+            for i in range(args.micro_batches)]
+
+
+def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn):
+    gc.collect()
+    mem = bench_memory.PeakMemory()
+    model = S.build_model(model_args, args.seed)
+    predicted = predicted_bytes(key, plan, model, S.blocks_of(model), args, world, rpn)
+    system = S.make_system(key, model, args.lr, meshes, plan)
+    mem.attach(S.blocks_of(system.model if not hasattr(system.model, "module")
+                           else system.model.module))
+    times, losses = [], []
+    total = args.warmup + args.steps + 1
+    state = None
+    comm = None
+    for step in range(total):
+        batches = make_batches(step, args, world, rank, model_args.vocab_size)
+        recorded = step == total - 1
+        if recorded:
+            ctx_amsp = system.amsp.record_comms() if key.startswith("amsp") else None
+            rec = ctx_amsp.__enter__() if ctx_amsp else None
+            with counter.recording():
+                loss = system.train_step(batches)
+                if key.startswith("amsp"):
+                    system.optim.finish_param_sync()
+            if ctx_amsp:
+                ctx_amsp.__exit__(None, None, None)
+            comm = {"counted": counter.bytes_by_locality(),
+                    "counted_events": sorted(
+                        [list(k) + [n] for k, n in counter.counter().items()], key=str)}
+            if rec is not None:
+                comm["recorder"] = rec.bytes_by_locality()
+                comm["recorder_events"] = sorted(
+                    [list(e.key()) for e in rec.events], key=str)
+        else:
+            def grab_state():
+                nonlocal state
+                state = system.state_bytes()  # grads present, optimizer states exist
+
+            t0 = time.perf_counter()
+            loss = system.train_step(batches, grab_state if step == total - 2 else None)
+            dt = time.perf_counter() - t0
+            if step >= args.warmup:
+                times.append(dt)
+        mem.sample()
+        losses.append(loss)
+    if key.startswith("amsp"):
+        system.optim.finish_param_sync()
+    mem.detach()
+    # reductions outside the recorded window
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    lt = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(lt)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {"peak": mem.peak_delta, "state": state})
+    out = {"system": key if not key.startswith("amsp") else f"amsp:{plan.name}",
+           "step_times": t.tolist(), "losses": (lt / world).tolist(),
+           "peak_bytes_per_rank": [r["peak"] for r in per_rank],
+           "state_bytes_per_rank": [r["state"] for r in per_rank],
+           "comm": comm, "predicted": predicted}
+    system.close()
+    del system, model
+    gc.collect()
+    dist.barrier()
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rpn = int(os.environ["LOCAL_WORLD_SIZE"])
+    counter = bench_comm.install(rpn)
+    model_args = S.model_args(args.flavor, args.seq)
+    meshes = S.MeshCache(world, rpn)
+
+    plan, planner, note = planner_choice(args, model_args, world, rpn)
+    runs = []  # (key, plan)
+    for key in [k.strip() for k in args.systems.split(",") if k.strip()]:
+        runs.append((key, plan if key == "amsp" else None))
+    for name in [p for p in args.plans.split(",") if p.strip()]:
+        extra = parse_plan(name, world, rpn)
+        if extra != plan:
+            runs.append((f"amsp:{extra.name}", extra))
+
+    results = []
+    t_start = time.time()
+    for rep in range(args.reps):
+        for key, p in runs:
+            r = run_one(key, p, args, model_args, meshes, counter, world, rank, rpn)
+            r["rep"] = rep
+            results.append(r)
+            if rank == 0:
+                med = sorted(r["step_times"])[len(r["step_times"]) // 2] if r["step_times"] else 0
+                print(f"rep {rep} {r['system']:>16}: step {med:.3f}s loss {r['losses'][-1]:.4f} "
+                      f"inter {r['comm']['counted']['inter'] / 1e6:.1f} MB", flush=True)
+    if rank == 0:
+        n_params = sum(p.numel() for p in S.build_model(model_args, args.seed).parameters())
+        meta = {
+            "args": vars(args), "world": world, "ranks_per_node": rpn,
+            "nodes": world // rpn, "model": {"flavor": args.flavor, "params": n_params,
+                                             "args": repr(model_args)},
+            "tokens_per_step": world * args.micro_batch * args.micro_batches * args.seq,
+            "planner": planner, "planner_note": note, "amsp_plan": plan.name,
+            "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                       f"torch {torch.__version__}",
+            "wall_s": time.time() - t_start,
+        }
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        print(f"wrote {args.out}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
