@@ -36,6 +36,10 @@ class Amsp:
     gpu_memory_gib: float = 0.0
     """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
 
+    bandwidth_table: str = ""
+    """plan = "auto": a measured bandwidth profile (python -m amsp_dtensor.profile); "" = the
+    planner's default alpha-beta model."""
+
     init_like_single_process: bool = False
     """For non-AMSP baselines (e.g. --model.name llama3): initialise weights from one full
     seeded model, as AMSP runs always do, so runs with different layouts start equal."""

@@ -1,9 +1,9 @@
 """plan = "auto": hand the job's model, batch, world and memory to amsp_dtensor's planner.
 
-INTEGRATION POINT (issue 3): the planner lives in amsp_dtensor/cost/planner.py and is
-written by another engineer. This module is the only place that calls it; if the module
-or its ``plan`` function is missing, plan = "auto" stops with a one-line message telling
-the user to give explicit factors.
+The planner is amsp_dtensor.cost.planner.plan (issue 3); this module is the only place
+that calls it, with the inputs named as its signature names them (extra inputs are
+dropped, so the two sides can evolve). If the planner is missing from a checkout,
+plan = "auto" stops with a one-line message telling the user to give explicit factors.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
         "gpu_memory_bytes": _gpu_memory_bytes(job_config),
         "activation_checkpoint": job_config.activation_checkpoint.mode,
         "param_dtype": job_config.training.mixed_precision_param,
+        "bandwidth_table": job_config.amsp.bandwidth_table or None,
     }
 
 
@@ -64,7 +65,16 @@ def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
         chosen = planner_plan(**kwargs)
     except ValueError as e:
         raise AmspConfigError(f"amsp.plan='auto': {e}") from None
-    chosen = getattr(chosen, "plan", chosen)  # a ranked result or the plan itself
+    report, chosen = chosen, getattr(chosen, "plan", chosen)  # PlanReport or the plan itself
+    _log_choice(report, chosen)
     if not isinstance(chosen, ResolvedPlan):
         chosen = chosen.resolve(world, ranks_per_node)
     return chosen
+
+
+def _log_choice(report, chosen) -> None:
+    from torchtitan.tools.logging import logger
+
+    logger.info(f"[amsp] plan = \"auto\": the planner chose {chosen.name}")
+    if report is not chosen:
+        logger.info(f"[amsp] planner report:\n{report}")
