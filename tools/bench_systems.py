@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import types
 from typing import Callable
@@ -222,7 +223,8 @@ class AMSPSystem(System):
         for block in blocks:
             amsp.fully_shard(block, mesh=mesh, plan=plan.as_plan())
         amsp.fully_shard(model, mesh=mesh, plan=plan.as_plan())
-        set_prefetch(model, blocks)
+        if os.environ.get("AMSP_BENCH_PREFETCH", "1") != "0":  # diagnostic switch
+            set_prefetch(model, blocks)
         self.model = model
         self.optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=lr, weight_decay=0.1,
                                         foreach=True)

@@ -125,7 +125,7 @@ def make_batches(step: int, args, world: int, rank: int, vocab: int):
             for i in range(args.micro_batches)]
 
 
-def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn):
+def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, record=True):
     gc.collect()
     mem = bench_memory.PeakMemory()
     model = S.build_model(model_args, args.seed)
@@ -134,12 +134,13 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn):
     mem.attach(S.blocks_of(system.model if not hasattr(system.model, "module")
                            else system.model.module))
     times, losses = [], []
-    total = args.warmup + args.steps + 1
+    # the recorded (untimed) step runs in rep 0 only: bytes are the same in every rep
+    total = args.warmup + args.steps + (1 if record else 0)
     state = None
     comm = None
     for step in range(total):
         batches = make_batches(step, args, world, rank, model_args.vocab_size)
-        recorded = step == total - 1
+        recorded = record and step == total - 1
         if recorded:
             ctx_amsp = system.amsp.record_comms() if key.startswith("amsp") else None
             rec = ctx_amsp.__enter__() if ctx_amsp else None
@@ -162,7 +163,7 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn):
                 state = system.state_bytes()  # grads present, optimizer states exist
 
             t0 = time.perf_counter()
-            loss = system.train_step(batches, grab_state if step == total - 2 else None)
+            loss = system.train_step(batches, grab_state if step == args.warmup else None)
             dt = time.perf_counter() - t0
             if step >= args.warmup:
                 times.append(dt)
@@ -213,13 +214,15 @@ def main(argv=None) -> int:
     t_start = time.time()
     for rep in range(args.reps):
         for key, p in runs:
-            r = run_one(key, p, args, model_args, meshes, counter, world, rank, rpn)
+            r = run_one(key, p, args, model_args, meshes, counter, world, rank, rpn,
+                        record=rep == 0)
             r["rep"] = rep
             results.append(r)
             if rank == 0:
                 med = sorted(r["step_times"])[len(r["step_times"]) // 2] if r["step_times"] else 0
+                inter = r["comm"]["counted"]["inter"] / 1e6 if r["comm"] else float("nan")
                 print(f"rep {rep} {r['system']:>16}: step {med:.3f}s loss {r['losses'][-1]:.4f} "
-                      f"inter {r['comm']['counted']['inter'] / 1e6:.1f} MB", flush=True)
+                      f"inter {inter:.1f} MB", flush=True)
     if rank == 0:
         n_params = sum(p.numel() for p in S.build_model(model_args, args.seed).parameters())
         meta = {
