@@ -9,9 +9,11 @@ ranks, contiguous or strided), every rank joins its group of that shape and all 
 the collective at once, as in a training step (so groups that share a node's links contend
 as they would). Ops: all_gather_into_tensor, reduce_scatter_tensor, all_reduce, broadcast.
 Sizes: powers of 4 from --min-bytes to --max-bytes (nbytes = the recorder's convention:
-AG output, RS input, AR/BC tensor). Time per op: a run of k back-to-back synchronous ops
-after warm-up, k chosen so a run lasts ~--target-ms, repeated --repeats times; the table
-keeps the median over repeats of the slowest rank. The JSON schema is in
+AG output, RS input, AR/BC tensor). Time per op: after warm-up, samples of ONE op each,
+started by a barrier of the whole world (so every group starts together and nobody
+computes beside it, as a collective in a step starts) into a freshly allocated output
+buffer (as FSDP2 and the engine use; first-touch page faults are part of the cost), at least --repeats samples and up
+to ~--target-ms of them; the table keeps the median of the slowest rank's times. The JSON schema is in
 amsp_dtensor/cost/bandwidth.py; the planner reads it with --bandwidth.
 """
 
@@ -93,24 +95,25 @@ def _world_max(value: float, device) -> float:
 
 
 def measure(op, group, src, nbytes, n, dtype, device, target_s, repeats, sync):
+    """Median over samples of one op's time on the slowest rank. Each sample: barrier of
+    the whole world (all groups start together, nobody computes), one op, wait."""
     buf_in, buf_out, real = _buffers(op, nbytes, n, dtype, device)
     for _ in range(2):  # warm-up (connections, allocator)
         _run(op, group, buf_in, buf_out, src)
     sync()
-    dist.barrier()
-    t0 = time.perf_counter()
-    _run(op, group, buf_in, buf_out, src)
-    sync()
-    one = _world_max(time.perf_counter() - t0, device)
-    k = int(max(1, min(50, target_s / max(one, 1e-7))))
     samples = []
-    for _ in range(repeats):
+    spent = 0.0
+    while len(samples) < repeats or (spent < target_s and len(samples) < 10 * repeats):
+        if buf_out is not None:  # a fresh output, as FSDP and the engine allocate one per op
+            buf_out = torch.empty_like(buf_out)
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(k):
-            _run(op, group, buf_in, buf_out, src)
+        _run(op, group, buf_in, buf_out, src)
         sync()
-        samples.append(_world_max((time.perf_counter() - t0) / k, device))
+        sample = _world_max(time.perf_counter() - t0, device)
+        samples.append(sample)
+        spent += sample
+        # every rank must take the same number of samples: decide on the world's max
     return real, statistics.median(samples)
 
 
@@ -127,8 +130,9 @@ def main(argv=None) -> int:
                     help="default 16M on gloo, 1G on nccl (capped by free GPU memory)")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    ap.add_argument("--target-ms", type=float, default=20.0, help="length of one timed run")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--target-ms", type=float, default=100.0,
+                    help="time to spend sampling one size (at least --repeats samples)")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in OPS]

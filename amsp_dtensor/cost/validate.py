@@ -1,0 +1,233 @@
+"""Check the cost model against a real CPU run of the engine (must-show 2 and 3).
+
+    torchrun --nproc_per_node 4 -m amsp_dtensor.cost.validate --plan 2,2,4 \
+        --ranks-per-node 2 --table bw.json --out result.json
+
+One process group per plan (ru_maxrss is a per-process high-water mark, so every plan
+needs fresh processes). The model is torchtitan's llama3 debugmodel (fp32 mode by default, --dtype bf16), trained
+with AMSPOptimizer(AdamW) for --steps steps of --micro-batches micro-batches.
+
+Memory: baseline = ru_maxrss after `import torch`, amsp_dtensor, torchtitan,
+init_process_group and init_mesh (the runtime, which the planner does not model, like a
+CUDA context on a GPU); peak = ru_maxrss at the end; measured = peak - baseline, per rank.
+Predicted = estimate_memory(...).total (states + activations + temporaries).
+
+Communication: every torch.distributed collective the engine (and FSDP2 inside it) calls
+is made synchronous and timed: a barrier of the whole world (not timed: removes rank skew
+and keeps every rank's compute off the shared cores while it runs), then the collective,
+then wait. Measured = sum of those times over one step (after a warm-up
+step), slowest rank. Predicted = step_comm_time(predicted_events(...), table) with the
+profile table. Same regime as the profiler: a group's collective timed from a common start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+RSS_IMPORT_TORCH = None
+
+
+class CommTimer:
+    """Make dist collectives synchronous and time them (see module docstring)."""
+
+    NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
+             "all_gather_single", "reduce_scatter_single")  # the last two: FSDP2's
+
+    def __init__(self):
+        self.active = False
+        self.seconds = 0.0
+        self.calls = 0
+        self.log = []
+        self._orig = {}
+
+    def install(self):
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            orig = getattr(dist, name)
+            self._orig[name] = orig
+            setattr(dist, name, self._wrap(orig))
+
+    def _wrap(self, orig):
+        import torch.distributed as dist
+
+        timer = self
+
+        def timed(*args, **kwargs):
+            if not timer.active:
+                return orig(*args, **kwargs)
+            async_op = kwargs.pop("async_op", False)
+            dist.barrier()  # whole world: nobody computes beside the timed collective
+            t0 = time.perf_counter()
+            work = orig(*args, async_op=True, **kwargs)
+            work.wait()
+            dt = time.perf_counter() - t0
+            timer.seconds += dt
+            timer.calls += 1
+            t = args[0] if args else next(iter(kwargs.values()))
+            timer.log.append((orig.__name__, dist.get_world_size(kwargs.get("group")),
+                              t.numel() * t.element_size(), dt))
+            return work if async_op else None
+
+        return timed
+
+
+def main(argv=None) -> int:
+    global RSS_IMPORT_TORCH
+    import torch
+
+    RSS_IMPORT_TORCH = _maxrss()
+    ap = argparse.ArgumentParser(prog="torchrun ... -m amsp_dtensor.cost.validate")
+    ap.add_argument("--plan", required=True, help="s_p,s_g,s_os")
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32",
+                    help="param dtype (fp32 default: bf16 matmuls are very slow on CPU)")
+    ap.add_argument("--table", help="bandwidth table JSON for the time prediction")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    timer = CommTimer()
+    timer.install()  # before FSDP/engine modules look anything up
+    import torch.distributed as dist
+
+    from amsp_dtensor.titan.cpu_compat import apply
+
+    apply()
+    import copy
+
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    import amsp_dtensor as amsp
+    from amsp_dtensor.cost.bandwidth import load_table
+    from amsp_dtensor.cost.comm import predicted_events, step_comm_time, time_breakdown
+    from amsp_dtensor.cost.memory import estimate_memory
+    from amsp_dtensor.cost.models import MODELS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    R = args.ranks_per_node
+    s_p, s_g, s_os = (int(x) for x in args.plan.split(","))
+    sharding = amsp.ShardingPlan(s_p, s_g, s_os)
+    resolved = sharding.resolve(world, R)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=R, device_type="cpu")
+    rss_baseline = _maxrss()
+
+    margs = copy.deepcopy(llama3_args["debugmodel"])
+    margs.max_seq_len = args.seq_len
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(margs)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+        model.freqs_cis = model._precompute_freqs_cis()  # keep the complex buffer complex
+    for block in model.layers.values():
+        amsp.fully_shard(block, mesh=mesh, plan=sharding)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    amsp.set_gradient_divide_factor(model, 1.0)
+    rss_trace = {"sharded_model": _maxrss() - rss_baseline}
+    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1)
+    rss_trace["optimizer"] = _maxrss() - rss_baseline
+
+    M, b, s = args.micro_batches, args.micro_batch, args.seq_len
+    g = torch.Generator().manual_seed(rank)
+    step_comm, step_wall, losses = [], [], []
+    for step in range(args.steps):
+        optim.finish_param_sync()
+        timer.seconds, timer.calls, timer.log = 0.0, 0, []
+        timer.active = step > 0
+        t0 = time.perf_counter()
+        total = 0.0
+        for micro in range(M):
+            tokens = torch.randint(0, margs.vocab_size, (b, s + 1), generator=g)
+            ctx = amsp.no_sync(model) if micro < M - 1 else _null()
+            with ctx:
+                pred = model(tokens[:, :-1])
+                loss = cross_entropy_loss(pred, tokens[:, 1:]) / (b * s * M * world)
+                del pred
+                rss_trace.setdefault(f"step{step}_mb{micro}_forward", _maxrss() - rss_baseline)
+                loss.backward()
+                rss_trace.setdefault(f"step{step}_mb{micro}_backward", _maxrss() - rss_baseline)
+            total += loss.item()
+        optim.clip_grad_norm_(1.0)
+        optim.step()
+        optim.finish_param_sync()
+        optim.zero_grad()
+        rss_trace.setdefault(f"step{step}_optim", _maxrss() - rss_baseline)
+        step_wall.append(time.perf_counter() - t0)
+        if step > 0:
+            step_comm.append((timer.seconds, timer.calls))
+        losses.append(total)
+    timer.active = False
+    peak = _maxrss()
+
+    model_shape = MODELS["llama3_debugmodel"]
+    est = estimate_memory(model_shape, resolved, s, b, args.dtype)
+    e = 2 if args.dtype == "bf16" else 4
+    events = predicted_events(resolved, model_shape.unit_param_shapes(), M, e,
+                              model_shape.root_unit_index, clip=True)
+    predicted_comm = breakdown = None
+    if args.table:
+        table = load_table(args.table)
+        predicted_comm = step_comm_time(events, table)
+        breakdown = time_breakdown(events, table)
+    mine = {
+        "rank": rank,
+        "rss_import_torch": RSS_IMPORT_TORCH,
+        "rss_baseline": rss_baseline,
+        "rss_peak": peak,
+        "measured_peak_bytes": peak - rss_baseline,
+        "measured_comm_seconds": [c for c, _ in step_comm],
+        "measured_comm_calls": [n for _, n in step_comm],
+        "step_wall_seconds": step_wall,
+        "losses": losses,
+        "rss_trace": rss_trace,
+        "last_step_calls": timer.log,
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        result = {
+            "plan": resolved.name, "world_size": world, "ranks_per_node": R,
+            "seq_len": s, "micro_batch": b, "micro_batches": M, "dtype": args.dtype,
+            "predicted_memory": est.as_dict(),
+            "predicted_comm_seconds": predicted_comm,
+            "predicted_breakdown": breakdown,
+            "predicted_calls": sum(e.count for e in events),
+            "ranks": gathered,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
