@@ -87,47 +87,50 @@ def _micro_batches(args) -> int:
     return args.global_batch_tokens // per_step
 
 
-def _row(e: PlanEstimate, mark: str = " ") -> str:
+def _row(e: PlanEstimate, mark: str = " ", unit: int = GiB) -> str:
     m = e.memory
-    return (f"{mark}{e.label[:18]:<18}{m.states.param / GiB:7.2f}{m.states.grad / GiB:7.2f}"
-            f"{m.states.optim / GiB:7.2f}{m.total / GiB:8.2f}{'' if e.fits else '!':1}"
+    return (f"{mark}{e.label[:18]:<18}{m.states.param / unit:7.2f}{m.states.grad / unit:7.2f}"
+            f"{m.states.optim / unit:7.2f}{m.total / unit:8.2f}{'' if e.fits else '!':1}"
             f"{e.bytes_intra / 1e9:9.2f}{e.bytes_inter / 1e9:9.2f}{e.comm_seconds * 1e3:10.1f}")
 
 
-HEADER = (f" {'plan / system':<18}{'P':>7}{'G':>7}{'OS':>7}{'total':>8} {'intra':>9}{'inter':>9}"
-          f"{'comm':>10}\n {'':<18}{'GiB':>7}{'GiB':>7}{'GiB':>7}{'GiB':>8} {'GB':>9}{'GB':>9}"
-          f"{'ms':>10}")
+def _header(u: str) -> str:
+    return (f" {'plan / system':<18}{'P':>7}{'G':>7}{'OS':>7}{'total':>8} {'intra':>9}"
+            f"{'inter':>9}{'comm':>10}\n {'':<18}{u:>7}{u:>7}{u:>7}{u:>8} {'GB':>9}{'GB':>9}"
+            f"{'ms':>10}")
 
 
 def render(report: PlanReport, top: int) -> str:
     s = report.settings
     mdl = report.model
+    biggest = max(c.memory.total for c in report.candidates)
+    unit, unit_name = (GiB, "GiB") if biggest >= GiB else (2**20, "MiB")
     lines = [
-        f"{mdl.name}: {mdl.num_params / 1e9:.2f}B params, {mdl.n_layers} layers, dim {mdl.dim}",
+        f"{mdl.name}: {mdl.num_params / 1e6:,.1f}M params, {mdl.n_layers} layers, dim {mdl.dim}",
         f"{s['world_size']} ranks ({s['ranks_per_node']}/node), seq {s['seq_len']} x "
         f"micro-batch {s['micro_batch']} x {s['micro_batches']} per step, {s['mixed_precision']}"
         f", AC {s['activation_checkpointing']}",
         f"budget {s['memory_budget_bytes'] / GiB:.2f} GiB/rank; time model: "
         f"{report.time_model}"[:79],
         "",
-        HEADER,
+        _header(unit_name),
     ]
     fitting = [c for c in report.candidates if c.fits]
     for i, c in enumerate(report.candidates[:top]):
-        lines.append(_row(c, "*" if i == 0 and c.fits else " "))
+        lines.append(_row(c, "*" if i == 0 and c.fits else " ", unit))
     if len(report.candidates) > top:
         lines.append(f" ... {len(report.candidates) - top} more plans "
                      f"({len(fitting)} of {len(report.candidates)} fit)")
     lines.append(" baselines:")
     for b in report.baselines.values():
-        lines.append(_row(b))
+        lines.append(_row(b, " ", unit))
     best = report.best
     lines += [
         "",
         "* chosen, ! over the memory budget. intra/inter: collective buffer bytes per",
         "rank per step (AG output, RS input, AR tensor); comm: sum of collective times",
         "(no overlap).",
-        f"chosen: {best.plan.name}, {best.memory.total / GiB:.2f} GiB/rank, "
+        f"chosen: {best.plan.name}, {best.memory.total / unit:.2f} {unit_name}/rank, "
         f"{best.comm_seconds * 1e3:.1f} ms comm/step. For the job TOML:",
         "",
         report.to_toml().rstrip(),
