@@ -1,0 +1,58 @@
+"""The profiler's group shapes and its output format (single process), and one real run
+on 2 gloo ranks (spawned; small sizes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from amsp_dtensor.cost.bandwidth import load_table
+from amsp_dtensor.cost.comm import dim_group
+from amsp_dtensor.plan import enumerate_plans
+from amsp_dtensor.profile import _size, group_shapes, groups_of
+
+
+def test_sizes():
+    assert _size("1K") == 1024 and _size("16M") == 16 * 2**20 and _size("4096") == 4096
+    assert _size("1GB") == 2**30
+
+
+def test_group_shapes_cover_every_plan_dim():
+    W, R = 8, 2
+    shapes = set(group_shapes(W, R))
+    assert shapes == {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4)}
+    for plan in enumerate_plans(W, R):
+        for dim in ("p", "g", "os", "rep", "shard"):
+            g = dim_group(plan, dim)
+            assert g.size == 1 or (g.size, g.stride) in shapes
+
+
+def test_groups_tile_the_world():
+    assert groups_of(2, 2, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_of(4, 1, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for size, stride in group_shapes(16, 4):
+        ranks = sorted(r for g in groups_of(size, stride, 16) for r in g)
+        assert ranks == list(range(16))
+
+
+@pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1", reason="multi-process")
+def test_profile_runs_on_two_gloo_ranks(tmp_path):
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", "29561", "-m", "amsp_dtensor.profile", "--out", str(out),
+           "--ranks-per-node", "1", "--max-bytes", "16K", "--repeats", "2",
+           "--target-ms", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and data["backend"] == "gloo"
+    ops = {(e["op"], e["group_size"], e["group_nodes"]) for e in data["entries"]}
+    assert ops == {(op, 2, 2) for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")}
+    assert [p[0] for p in data["entries"][0]["points"]] == [1024, 4096, 16384]
+    table = load_table(out)  # the planner reads what the profiler writes
+    assert table.time("all_reduce", 8192, dim_group(enumerate_plans(2, 1)[0], "rep")) > 0
