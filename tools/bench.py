@@ -41,8 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per repetition")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed steps first (FSDP2/HSDP settle only by the third step)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--systems", default="ddp,zero1,zero3,hsdp,hpz,amsp")
     ap.add_argument("--plans", default="", help="extra AMSP plans: p2-g4-os4,p1-g1-os2")
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
             print(f"benchmark run failed (exit {rc}); no report written", file=sys.stderr)
             return rc or 1
         data = json.loads(out.read_text())
+    data["meta"]["link_short"] = ("loopback, no shaping" if args.no_netns else
+                                  f"inter-node link {args.bw} (tbf), intra-node loopback")
     data["meta"]["command"] = f"flock /tmp/amsp_cpu.lock timeout {int(args.timeout) + 20} " \
                               + command
     Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """The torchrun worker of tools/bench.py: every system, interleaved, several repetitions.
 
 Order: for rep in reps: for system in systems: build from the same seed, run
-``warmup`` steps, ``steps`` timed steps, then one recorded step (collectives counted by
-tools/bench_comm for every system and by amsp.record_comms for AMSP; AMSP's post-step
-all-gather is waited for inside it with finish_param_sync, so this step is not timed).
+``warmup`` steps, then ``steps`` timed steps; in rep 0 the last timed step also counts
+collectives (tools/bench_comm for every system, amsp.record_comms for AMSP; AMSP's
+post-step all-gather is waited for after the timer stops so it lands in that record).
 Rank 0 writes one JSON with per-rep step times (max over ranks), per-step global losses,
 bytes per step, state bytes and peak memory per rank, and the planner's prediction.
 """
@@ -11,6 +11,7 @@ bytes per step, state bytes and peak memory per rank, and the planner's predicti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -29,8 +30,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch")
     ap.add_argument("--micro-batches", type=int, default=4, help="M: grad-accumulation steps")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -134,39 +135,39 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
     mem.attach(S.blocks_of(system.model if not hasattr(system.model, "module")
                            else system.model.module))
     times, losses = [], []
-    # the recorded (untimed) step runs in rep 0 only: bytes are the same in every rep
-    total = args.warmup + args.steps + (1 if record else 0)
+    total = args.warmup + args.steps
     state = None
     comm = None
+
+    def grab_state():
+        nonlocal state
+        state = system.state_bytes()  # grads present, optimizer states exist
+
     for step in range(total):
         batches = make_batches(step, args, world, rank, model_args.vocab_size)
+        # collectives are counted in the last timed step of rep 0 (bytes repeat every step)
         recorded = record and step == total - 1
+        amsp_rec = system.amsp.record_comms() if recorded and key.startswith("amsp") else None
+        rec = amsp_rec.__enter__() if amsp_rec else None
+        with counter.recording() if recorded else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = system.train_step(batches, grab_state if step == args.warmup else None)
+            dt = time.perf_counter() - t0
+            if recorded and key.startswith("amsp"):
+                # the post-step all-gather normally completes in the next forward; wait
+                # for it here (untimed) so it lands in this step's record
+                system.optim.finish_param_sync()
+        if amsp_rec:
+            amsp_rec.__exit__(None, None, None)
         if recorded:
-            ctx_amsp = system.amsp.record_comms() if key.startswith("amsp") else None
-            rec = ctx_amsp.__enter__() if ctx_amsp else None
-            with counter.recording():
-                loss = system.train_step(batches)
-                if key.startswith("amsp"):
-                    system.optim.finish_param_sync()
-            if ctx_amsp:
-                ctx_amsp.__exit__(None, None, None)
             comm = {"counted": counter.bytes_by_locality(),
                     "counted_events": sorted(
                         [list(k) + [n] for k, n in counter.counter().items()], key=str)}
             if rec is not None:
                 comm["recorder"] = rec.bytes_by_locality()
-                comm["recorder_events"] = sorted(
-                    [list(e.key()) for e in rec.events], key=str)
-        else:
-            def grab_state():
-                nonlocal state
-                state = system.state_bytes()  # grads present, optimizer states exist
-
-            t0 = time.perf_counter()
-            loss = system.train_step(batches, grab_state if step == args.warmup else None)
-            dt = time.perf_counter() - t0
-            if step >= args.warmup:
-                times.append(dt)
+                comm["recorder_events"] = sorted([list(e.key()) for e in rec.events], key=str)
+        if step >= args.warmup:
+            times.append(dt)
         mem.sample()
         losses.append(loss)
     if key.startswith("amsp"):
