@@ -229,5 +229,70 @@ class _null:
         return False
 
 
+
+
+def summarize(paths, table_path=None) -> list[dict]:
+    """Rows of predicted vs measured from validate JSON files (prediction recomputed with
+    `table_path` when given, else the one stored by the run)."""
+    import re
+    import statistics
+
+    from amsp_dtensor.cost.bandwidth import load_table
+    from amsp_dtensor.cost.comm import predicted_events, step_comm_time
+    from amsp_dtensor.cost.models import MODELS
+    from amsp_dtensor.plan import ShardingPlan
+
+    table = load_table(table_path) if table_path else None
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        s_p, s_g, s_os = (int(x) for x in re.findall(r"\d+", r["plan"]))
+        plan = ShardingPlan(s_p, s_g, s_os).resolve(r["world_size"], r["ranks_per_node"])
+        m = MODELS["llama3_debugmodel"]
+        e = 2 if r.get("dtype") == "bf16" else 4
+        predicted = r["predicted_comm_seconds"]
+        if table is not None:
+            events = predicted_events(plan, m.unit_param_shapes(), r["micro_batches"], e,
+                                      m.root_unit_index, clip=True)
+            predicted = step_comm_time(events, table)
+        ranks = r["ranks"]
+        steps = len(ranks[0]["measured_comm_seconds"])
+        per_step = [max(x["measured_comm_seconds"][i] for x in ranks) for i in range(steps)]
+        measured_comm = statistics.median(per_step)
+        peak = max(x["measured_peak_bytes"] for x in ranks)
+        rows.append({
+            "plan": r["plan"],
+            "predicted_peak": r["predicted_memory"]["total"],
+            "measured_peak": peak,
+            "peak_error": (r["predicted_memory"]["total"] - peak) / peak,
+            "predicted_comm": predicted,
+            "measured_comm": measured_comm,
+            "comm_error": (predicted - measured_comm) / measured_comm,
+            "comm_per_step": per_step,
+            "calls": ranks[0]["measured_comm_calls"][0],
+            "step_wall": statistics.median(ranks[0]["step_wall_seconds"][1:]),
+        })
+    return rows
+
+
+def print_summary(rows) -> None:
+    print(f"{'plan':<12}{'pred MiB':>9}{'meas MiB':>9}{'err':>7}{'pred ms':>9}{'meas ms':>9}"
+          f"{'err':>7}{'calls':>6}")
+    for row in rows:
+        print(f"{row['plan']:<12}{row['predicted_peak'] / 2**20:9.1f}"
+              f"{row['measured_peak'] / 2**20:9.1f}{100 * row['peak_error']:+6.1f}%"
+              f"{row['predicted_comm'] * 1e3:9.1f}{row['measured_comm'] * 1e3:9.1f}"
+              f"{100 * row['comm_error']:+6.1f}%{row['calls']:6d}")
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "summarize":
+        # python -m amsp_dtensor.cost.validate summarize [--table t.json] val_*.json
+        rest = sys.argv[2:]
+        table = None
+        if rest[:1] == ["--table"]:
+            table, rest = rest[1], rest[2:]
+        print_summary(summarize(rest, table))
+        sys.exit(0)
     sys.exit(main())
