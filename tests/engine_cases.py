@@ -33,5 +33,12 @@ def run_world(world, per_node, extra=None):
 
 
 def rel_diff(a, b) -> float:
+    """Strict: largest elementwise error over the largest reference magnitude."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def rel_norm_diff(a, b) -> float:
+    """Tensor relative error ||a - b||_2 / ||b||_2."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm()).item()
