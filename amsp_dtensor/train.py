@@ -52,6 +52,10 @@ def parse_job_config(argv: list[str]):
     except Exception as e:  # tomllib.TOMLDecodeError
         raise UsageError(f"job.config_file: not valid TOML: {e}") from None
     check_toml_keys(toml_values)
+    # Make the offline data before torchtitan's config check looks for the tokenizer folder.
+    toml_paths = ((toml_values or {}).get("model", {}).get("hf_assets_path"),
+                  (toml_values or {}).get("training", {}).get("dataset_path"))
+    prepare_data_at(toml_paths)
     try:
         config = manager.parse_args(_with_config_module(argv, toml_values))
     except ValueError as e:
@@ -61,15 +65,30 @@ def parse_job_config(argv: list[str]):
     return config
 
 
-def prepare_data(job_config) -> None:
-    """Build the offline tokenizer/corpus if the config points at the project's data folder."""
+def prepare_data_at(paths) -> None:
+    """Build the offline tokenizer/corpus if any path points into the project's data folder."""
     from amsp_dtensor.data import DEFAULT_ROOT, ensure_assets, set_hf_home
 
     set_hf_home(DEFAULT_ROOT)
     root = DEFAULT_ROOT.resolve()
-    wanted = [job_config.model.hf_assets_path, job_config.training.dataset_path]
-    if any(p and Path(p).resolve().is_relative_to(root) for p in wanted):
+    if any(p and Path(p).resolve().is_relative_to(root) for p in paths):
         ensure_assets(DEFAULT_ROOT)
+
+
+def prepare_data(job_config) -> None:
+    prepare_data_at([job_config.model.hf_assets_path, job_config.training.dataset_path])
+
+
+def quiet_other_ranks() -> None:
+    """Only the ranks in LOG_RANK (default "0") log at INFO, as torchtitan's run_train.sh
+    arranges with torchrun's --local-ranks-filter; the others log warnings and errors."""
+    import logging
+
+    from torchtitan.tools.logging import logger
+
+    shown = {r.strip() for r in os.environ.get("LOG_RANK", "0").split(",")}
+    if str(_rank()) not in shown:
+        logger.setLevel(logging.WARNING)
 
 
 def check_amsp(job_config):
@@ -111,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from amsp_dtensor.titan.validate import AmspConfigError
 
     init_logger()
+    quiet_other_ranks()
     try:
         job_config = parse_job_config(argv)
         plan = check_amsp(job_config)
