@@ -149,7 +149,7 @@ def main(argv=None) -> int:
 
     M, b, s = args.micro_batches, args.micro_batch, args.seq_len
     g = torch.Generator().manual_seed(rank)
-    step_comm, step_wall, losses = [], [], []
+    step_comm, step_wall, losses, calls_by_step = [], [], [], []
     for step in range(args.steps):
         optim.finish_param_sync()
         timer.seconds, timer.calls, timer.log = 0.0, 0, []
@@ -175,6 +175,7 @@ def main(argv=None) -> int:
         step_wall.append(time.perf_counter() - t0)
         if step > 0:
             step_comm.append((timer.seconds, timer.calls))
+            calls_by_step.append([c[3] for c in timer.log])
         losses.append(total)
     timer.active = False
     peak = _maxrss()
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
         "losses": losses,
         "rss_trace": rss_trace,
         "last_step_calls": timer.log,
+        "call_seconds_by_step": calls_by_step,
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
