@@ -13,7 +13,9 @@ AG output, RS input, AR/BC tensor). Time per op: after warm-up, samples of ONE o
 started by a barrier of the whole world (so every group starts together and nobody
 computes beside it, as a collective in a step starts) into a freshly allocated output
 buffer (as FSDP2 and the engine use; first-touch page faults are part of the cost), at least --repeats samples and up
-to ~--target-ms of them; the table keeps the median of the slowest rank's times. The JSON schema is in
+to ~--target-ms of them; the table keeps the MEAN of the slowest rank's times (a step's
+comm time is a sum over many calls, so it follows the mean of a skewed distribution,
+not its median). The JSON schema is in
 amsp_dtensor/cost/bandwidth.py; the planner reads it with --bandwidth.
 """
 
@@ -95,7 +97,7 @@ def _world_max(value: float, device) -> float:
 
 
 def measure(op, group, src, nbytes, n, dtype, device, target_s, repeats, sync):
-    """Median over samples of one op's time on the slowest rank. Each sample: barrier of
+    """Mean over samples of one op's time on the slowest rank. Each sample: barrier of
     the whole world (all groups start together, nobody computes), one op, wait."""
     buf_in, buf_out, real = _buffers(op, nbytes, n, dtype, device)
     for _ in range(2):  # warm-up (connections, allocator)
@@ -114,7 +116,7 @@ def measure(op, group, src, nbytes, n, dtype, device, target_s, repeats, sync):
         samples.append(sample)
         spent += sample
         # every rank must take the same number of samples: decide on the world's max
-    return real, statistics.median(samples)
+    return real, statistics.fmean(samples)
 
 
 def main(argv=None) -> int:
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
         table = {"schema": SCHEMA, "backend": args.backend, "device": str(device.type),
                  "world_size": world, "ranks_per_node": R,
                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                 "dtype": args.dtype, "repeats": args.repeats, "target_ms": args.target_ms,
+                 "dtype": args.dtype, "statistic": "mean", "repeats": args.repeats, "target_ms": args.target_ms,
                  "seconds_taken": round(time.time() - started, 1), "entries": entries}
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)

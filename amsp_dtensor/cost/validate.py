@@ -259,8 +259,15 @@ def summarize(paths, table_path=None) -> list[dict]:
                                       m.root_unit_index, clip=True)
             predicted = step_comm_time(events, table)
         ranks = r["ranks"]
-        steps = len(ranks[0]["measured_comm_seconds"])
-        per_step = [max(x["measured_comm_seconds"][i] for x in ranks) for i in range(steps)]
+        # A step's comm time: sum over its collectives of the slowest rank's time (every
+        # call starts after a world barrier, so a call lasts until its slowest member is
+        # done; the profiler's samples are the same world max of one op).
+        if "call_seconds_by_step" in ranks[0]:
+            steps = [list(zip(*(x["call_seconds_by_step"][i] for x in ranks)))
+                     for i in range(len(ranks[0]["call_seconds_by_step"]))]
+        else:  # older runs kept the last step's calls only
+            steps = [list(zip(*([c[3] for c in x["last_step_calls"]] for x in ranks)))]
+        per_step = [sum(max(call) for call in step) for step in steps]
         measured_comm = statistics.median(per_step)
         peak = max(x["measured_peak_bytes"] for x in ranks)
         rows.append({
