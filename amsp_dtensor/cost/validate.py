@@ -8,8 +8,8 @@ needs fresh processes). The model is torchtitan's llama3 debugmodel (fp32 mode b
 with AMSPOptimizer(AdamW) for --steps steps of --micro-batches micro-batches.
 
 Memory: baseline = ru_maxrss after `import torch`, amsp_dtensor, torchtitan,
-init_process_group and init_mesh (the runtime, which the planner does not model, like a
-CUDA context on a GPU); peak = ru_maxrss at the end; measured = peak - baseline, per rank.
+init_process_group, init_mesh and one tiny warm-up training step and collective of each
+kind (the runtime, which the planner does not model, like a CUDA context on a GPU); peak = ru_maxrss at the end; measured = peak - baseline, per rank.
 Predicted = estimate_memory(...).total (states + activations + temporaries).
 
 Communication: every torch.distributed collective the engine (and FSDP2 inside it) calls
@@ -82,6 +82,30 @@ class CommTimer:
         return timed
 
 
+def _warm_runtime(Transformer, margs_cls) -> None:
+    """One tiny training step (1 layer, dim 64, seq 32) and one small collective of each
+    kind, before the memory baseline: the runtime's lazily loaded code and thread pools
+    (libtorch/oneDNN kernels, autograd, AdamW's foreach path, gloo) then count as runtime,
+    not as model memory, as a CUDA context would on a GPU."""
+    import torch
+    import torch.distributed as dist
+
+    tiny = Transformer(margs_cls(dim=64, n_layers=1, n_heads=4, vocab_size=128, max_seq_len=32))
+    opt = torch.optim.AdamW(tiny.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 128, (2, 33))
+    logits = tiny(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    torch.nn.utils.clip_grad_norm_(tiny.parameters(), 1.0)
+    opt.step()
+    world = dist.get_world_size()
+    x = torch.ones(64 * world)
+    dist.all_reduce(x)
+    dist.all_gather_into_tensor(torch.empty(64 * world * world), x)
+    dist.reduce_scatter_tensor(torch.empty(64), x)
+    dist.broadcast(x, src=0)
+    del tiny, opt, logits
+
+
 def main(argv=None) -> int:
     global RSS_IMPORT_TORCH
     import torch
@@ -96,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32",
                     help="param dtype (fp32 default: bf16 matmuls are very slow on CPU)")
+    ap.add_argument("--cold-runtime", action="store_true",
+                    help="skip the tiny warm-up step before the memory baseline")
     ap.add_argument("--table", help="bandwidth table JSON for the time prediction")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -126,6 +152,8 @@ def main(argv=None) -> int:
     sharding = amsp.ShardingPlan(s_p, s_g, s_os)
     resolved = sharding.resolve(world, R)
     mesh = amsp.init_mesh(sharding, ranks_per_node=R, device_type="cpu")
+    if not args.cold_runtime:
+        _warm_runtime(Transformer, margs_cls=type(llama3_args["debugmodel"]))
     rss_baseline = _maxrss()
 
     margs = copy.deepcopy(llama3_args["debugmodel"])
@@ -265,8 +293,11 @@ def summarize(paths, table_path=None) -> list[dict]:
         if "call_seconds_by_step" in ranks[0]:
             steps = [list(zip(*(x["call_seconds_by_step"][i] for x in ranks)))
                      for i in range(len(ranks[0]["call_seconds_by_step"]))]
-        else:  # older runs kept the last step's calls only
+        elif "last_step_calls" in ranks[0]:  # older runs kept the last step's calls only
             steps = [list(zip(*([c[3] for c in x["last_step_calls"]] for x in ranks)))]
+        else:  # oldest runs: per-rank totals only
+            steps = [[(max(x["measured_comm_seconds"][i] for x in ranks),)]
+                     for i in range(len(ranks[0]["measured_comm_seconds"]))]
         per_step = [sum(max(call) for call in step) for step in steps]
         measured_comm = statistics.median(per_step)
         peak = max(x["measured_peak_bytes"] for x in ranks)
