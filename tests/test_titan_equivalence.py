@@ -4,7 +4,8 @@ Baseline: ``--model.name llama3`` is torchtitan's parallelize_llama (FSDP2 over 
 ranks, i.e. plan (W, W, W) done by torchtitan), with ``--amsp.init_like_single_process``
 so its sharded weights start from the same full seeded initialisation AMSP uses (on CPU,
 DTensor random init depends on the layout; see amsp_dtensor/titan/weights.py).
-AMSP runs: (4, 4, 4) = ZeRO-3 by the engine, and the recipe's (2, 2, 4).
+AMSP runs: (4, 4, 4) = ZeRO-3 by the engine, the recipe's (2, 2, 4), and (1, 1, 4) =
+ZeRO-1 (the engine's s_p = 1 path, without FSDP).
 The recipe is fp32 (training.dtype and mixed_precision_param), 2 micro-batches per step.
 """
 
@@ -26,7 +27,7 @@ def baseline(tmp_path_factory):
     return losses(dump)
 
 
-@pytest.mark.parametrize("plan", [(4, 4, 4), (2, 2, 4)], ids=lambda p: "p{}-g{}-os{}".format(*p))
+@pytest.mark.parametrize("plan", [(4, 4, 4), (2, 2, 4), (1, 1, 4)], ids=lambda p: "p{}-g{}-os{}".format(*p))
 def test_amsp_loss_curve_matches_torchtitan_fsdp(plan, baseline, tmp_path):
     s_p, s_g, s_os = plan
     torchrun(["--amsp.param_shard", str(s_p), "--amsp.grad_shard", str(s_g),

@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 import types
+import warnings
 from datetime import timedelta
 
 import torch
@@ -184,7 +185,10 @@ def _pg_timeouts_without_device_ids() -> None:
             mesh.get_group()
             for mesh in parallel_dims.get_all_one_dimensional_meshes().values()
         ] + [None]
-        for group in groups:
-            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+        with warnings.catch_warnings():
+            # torch warns that only nccl/gloo support it, even for gloo groups
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+            for group in groups:
+                torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
     dist_utils.set_pg_timeouts = set_pg_timeouts
