@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=1, help="timed steps per repetition")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed steps first (FSDP2/HSDP settle only by the third step)")
     ap.add_argument("--reps", type=int, default=3)
