@@ -82,6 +82,34 @@ class CommTimer:
         return timed
 
 
+def _probe_inside(dist) -> dict:
+    """The profiler's measurement (world barrier, one op, world max; mean of 12) done
+    inside the trained engine process, on the world group."""
+    import statistics
+
+    import torch
+
+    world = dist.get_world_size()
+    n = 3409920 // 4
+    out = {}
+    for op in ("all_reduce", "reduce_scatter"):
+        samples = []
+        for _ in range(12):
+            x = torch.ones(n)
+            y = torch.empty(n // world)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if op == "all_reduce":
+                dist.all_reduce(x)
+            else:
+                dist.reduce_scatter_tensor(y, x)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            samples.append(dt.item())
+        out[op] = statistics.fmean(samples)
+    return out
+
+
 def _warm_runtime(Transformer, margs_cls) -> None:
     """One tiny training step (1 layer, dim 64, seq 32) and one small collective of each
     kind, before the memory baseline: the runtime's lazily loaded code and thread pools
@@ -120,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32",
                     help="param dtype (fp32 default: bf16 matmuls are very slow on CPU)")
+    ap.add_argument("--probe", action="store_true",
+                    help="after training, time isolated AR/RS of 3.4 MB on the world group "
+                    "in this process (profiler regime), to compare with the table")
     ap.add_argument("--cold-runtime", action="store_true",
                     help="skip the tiny warm-up step before the memory baseline")
     ap.add_argument("--table", help="bandwidth table JSON for the time prediction")
@@ -207,6 +238,7 @@ def main(argv=None) -> int:
         losses.append(total)
     timer.active = False
     peak = _maxrss()
+    probe = _probe_inside(dist) if args.probe else None
 
     model_shape = MODELS["llama3_debugmodel"]
     est = estimate_memory(model_shape, resolved, s, b, args.dtype)
@@ -229,6 +261,7 @@ def main(argv=None) -> int:
         "step_wall_seconds": step_wall,
         "losses": losses,
         "rss_trace": rss_trace,
+        "probe": probe,
         "last_step_calls": timer.log,
         "call_seconds_by_step": calls_by_step,
     }
