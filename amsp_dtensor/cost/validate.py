@@ -82,7 +82,7 @@ class CommTimer:
         return timed
 
 
-def _probe_inside(dist) -> dict:
+def _probe_inside(dist, mesh=None) -> dict:
     """The profiler's measurement (world barrier, one op, world max; mean of 12) done
     inside the trained engine process, on the world group."""
     import statistics
@@ -92,7 +92,11 @@ def _probe_inside(dist) -> dict:
     world = dist.get_world_size()
     n = 3409920 // 4
     out = {}
-    for op in ("all_reduce", "reduce_scatter"):
+    groups = {"world": None}
+    if mesh is not None and mesh["rep"].size() == world:
+        groups["mesh_rep"] = mesh.get_group("rep")
+    for (gname, group), op in [(g, o) for g in groups.items()
+                                for o in ("all_reduce", "reduce_scatter")]:
         samples = []
         for _ in range(12):
             x = torch.ones(n)
@@ -100,13 +104,13 @@ def _probe_inside(dist) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             if op == "all_reduce":
-                dist.all_reduce(x)
+                dist.all_reduce(x, group=group)
             else:
-                dist.reduce_scatter_tensor(y, x)
+                dist.reduce_scatter_tensor(y, x, group=group)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             samples.append(dt.item())
-        out[op] = statistics.fmean(samples)
+        out[f"{gname}/{op}"] = statistics.fmean(samples)
     return out
 
 
@@ -238,7 +242,7 @@ def main(argv=None) -> int:
         losses.append(total)
     timer.active = False
     peak = _maxrss()
-    probe = _probe_inside(dist) if args.probe else None
+    probe = _probe_inside(dist, mesh) if args.probe else None
 
     model_shape = MODELS["llama3_debugmodel"]
     est = estimate_memory(model_shape, resolved, s, b, args.dtype)
