@@ -4,8 +4,11 @@ Parameters (P), gradients (G) and optimizer states (OS) each get their own shard
 factor; see docs/layouts.md.
 """
 
+from .cost.comm import predicted_events
+from .cost.planner import NoPlanFits
+from .cost.planner import choose_plan as auto_plan
 from .grad import no_sync, set_gradient_divide_factor
-from .layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS
+from .layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS, gather_full
 from .mesh import init_mesh
 from .observe import CommEvent, CommRecorder, record_comms
 from .observe.memory import memory_by_state
@@ -15,6 +18,9 @@ from .shard import fully_shard
 
 __all__ = [
     "AMSPOptimizer",
+    "NoPlanFits",
+    "auto_plan",
+    "predicted_events",
     "BASELINES",
     "CommEvent",
     "CommRecorder",
@@ -25,6 +31,7 @@ __all__ = [
     "ShardingPlan",
     "enumerate_plans",
     "fully_shard",
+    "gather_full",
     "init_mesh",
     "memory_by_state",
     "no_sync",

@@ -69,14 +69,30 @@ class Collectives:
             phase=phase,
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
-        work = dist.all_gather_into_tensor(
-            output, input, group=self.info.group(dim), async_op=True
+    def _fsdp_event_args(self, op: str, group, nbytes: int, phase: str) -> dict | None:
+        """FSDP's collectives run over "p", or, with reshard_after_forward=int (hpZ),
+        the backward all-gather over a smaller secondary group inside it: "p_hpz"."""
+        if not active_recorders():
+            return None
+        if group is self.info.group("p"):
+            return self._event_args(op, "p", nbytes, phase)
+        ranks = dist.get_process_group_ranks(group)
+        per_node = self.info.ranks_per_node
+        return dict(
+            op=op,
+            dim="p_hpz",
+            group_size=len(ranks),
+            nbytes=nbytes,
+            inter_node=len({r // per_node for r in ranks}) > 1,
+            phase=phase,
         )
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
+        work = dist.all_gather_single(output, input, group=self.info.group(dim), async_op=True)
         return PendingComm(work, self._event_args("all_gather", dim, _nbytes(output), phase), output)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
-        work = dist.reduce_scatter_tensor(
+        work = dist.reduce_scatter_single(
             output, input, op=dist.ReduceOp.SUM, group=self.info.group(dim), async_op=True
         )
         return PendingComm(
@@ -95,13 +111,15 @@ def _fsdp_phase() -> str:
 
 
 class RecordingAllGather(DefaultAllGather):
-    """FSDP2's default all-gather plus a CommEvent over the "p" dim."""
+    """FSDP2's default all-gather plus a CommEvent ("p", or "p_hpz" for hpZ)."""
 
     def __init__(self, collectives: Collectives):
         self.collectives = collectives
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        args = self.collectives._event_args("all_gather", "p", _nbytes(output_tensor), _fsdp_phase())
+        args = self.collectives._fsdp_event_args(
+            "all_gather", group, _nbytes(output_tensor), _fsdp_phase()
+        )
         timer = Timer()
         work = super().__call__(output_tensor, input_tensor, group, async_op)
         if args is not None:
@@ -116,7 +134,9 @@ class RecordingReduceScatter(DefaultReduceScatter):
         self.collectives = collectives
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        args = self.collectives._event_args("reduce_scatter", "p", _nbytes(input_tensor), "backward")
+        args = self.collectives._fsdp_event_args(
+            "reduce_scatter", group, _nbytes(input_tensor), "backward"
+        )
         timer = Timer()
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
         if args is not None:

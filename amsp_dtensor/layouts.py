@@ -130,3 +130,32 @@ class FlatLayout:
                         gathered[i, sub_off : sub_off + length * p.cols].view(length, p.cols)
                     )
             sub_off += sub_cap * p.cols
+
+
+def gather_full(dtensor) -> torch.Tensor:
+    """The whole tensor of an OS- or G-layout DTensor on an AMSP mesh.
+
+    Works around torch 2.13: ``DTensor.full_tensor()`` (redistribute to Replicate) puts
+    the rows of a tensor sharded by Shard(0) on two or more mesh dims of size > 1 in the
+    wrong order, although each rank's local rows and offsets are right
+    (``distribute_tensor(t, mesh, OS_PLACEMENTS).full_tensor() != t`` for plan p2-g2-os4
+    on 4 ranks). We gather (offset, rows) from the ranks holding one full copy instead.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from .mesh import mesh_info
+
+    info = mesh_info(dtensor.device_mesh)
+    _, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    local = dtensor.to_local().detach().cpu()
+    pieces = [None] * info.size("shard")
+    dist.all_gather_object(pieces, (offset[0] if len(offset) else 0, local), group=info.group("shard"))
+    full = torch.empty(dtensor.shape, dtype=dtensor.dtype)
+    rows = full.view(full.shape[0] if full.dim() else 1, -1)
+    for start, piece in pieces:
+        if piece.numel():
+            rows[start : start + piece.shape[0]].copy_(piece.reshape(piece.shape[0], -1))
+    return full.to(dtensor.device)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .layouts import OS_PLACEMENTS, chunk_rows
+from .layouts import OS_PLACEMENTS, chunk_rows, gather_full
 from .state import AMSPState, AMSPUnit, find_state
 
 __all__ = ["AMSPOptimizer", "finish_param_update", "ELEMENTWISE_OPTIMIZERS"]
@@ -83,6 +83,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 f"torch.optim.AdamW, got {optimizer_class!r}"
             )
         self._model_state: AMSPState = find_state(model)
+        for unit in self._model_state.units:
+            if any(p.device.type == "meta" for p in unit.local_params()):
+                raise ValueError(
+                    f"parameters of {unit.fqn or 'the root'} are still on the meta device: "
+                    "materialise the model (to_empty + init_weights) before building "
+                    "AMSPOptimizer, which copies them into fp32 master weights"
+                )
         self.overlap_param_sync = overlap_param_sync
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
@@ -307,7 +314,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         if isinstance(value, DTensor):
             if value.device_mesh == like.device_mesh and value.placements == like.placements:
                 return value
-            value = value.full_tensor()
+            value = gather_full(value)
         full = value.to(like.dtype)
         if full.shape != like.shape:
             raise ValueError(f"optimizer state of shape {tuple(full.shape)} does not fit param {tuple(like.shape)}")

@@ -29,7 +29,8 @@ __all__ = ["fully_shard"]
 
 
 def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Params of ``module`` not owned by an AMSP unit further down."""
+    """Params of ``module`` not owned by an AMSP unit further down (may be on meta:
+    torchtitan shards the meta model and materialises it afterwards, as with FSDP2)."""
     taken = set()
     for sub in module.modules():
         if sub is not module and getattr(sub, "_amsp_unit", None) is not None:
@@ -99,11 +100,6 @@ def fully_shard(
                 f"parameter {name!r} of {type(module).__name__} does not require grad: frozen "
                 "parameters are not supported by amsp.fully_shard yet"
             )
-        if param.device.type == "meta":
-            raise ValueError(
-                f"parameter {name!r} is on the meta device: materialise the model "
-                "(to_empty + init) before amsp.fully_shard"
-            )
     dtypes = {p.dtype for _, p in named}
     if len(dtypes) > 1:
         raise ValueError(
@@ -138,7 +134,7 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         fsdp_fully_shard(module, **kwargs)
         group = module._get_fsdp_state()._fsdp_param_group
         fsdp_params = group.fsdp_params
-        params = [fp.sharded_param for fp in fsdp_params]
+        params = None  # read from FSDP each time (see AMSPUnit.params)
         global_shapes = [fp._orig_size for fp in fsdp_params]
         p_rows = [fp.sharded_size[0] if len(fp.sharded_size) else 1 for fp in fsdp_params]
         p_caps = [
@@ -154,14 +150,14 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         module=module,
         fqn="",
         info=info,
-        params=params,
+        own_params=params,
         uses_fsdp=uses_fsdp,
         global_shapes=list(global_shapes),
         p_layout=p_layout,
         g_layout=g_layout,
         os_layout=os_layout,
     )
-    unit.param_names = [n for n, _ in named] if not uses_fsdp else _fsdp_names(module, params)
+    unit.param_names = [n for n, _ in named] if not uses_fsdp else _fsdp_names(module, unit.params)
     if uses_fsdp:
         # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
         # engine divides once, on the fp32 master grads.
@@ -217,13 +213,20 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
         unit.param_fqns = [f"{prefix}.{n}" if prefix else n for n in unit.param_names]
     for sub in module.modules():
         if sub is not module and hasattr(sub, "_amsp_state"):
+            # A former root (a block sharded before its parent) is a root no more.
             del sub._amsp_state
+            sub._amsp_state_dict_hook.remove()
+            del sub._amsp_state_dict_hook
     module._amsp_state = state
-    module.register_state_dict_pre_hook(_finish_updates_before_state_dict)
+    module._amsp_state_dict_hook = module.register_state_dict_pre_hook(
+        functools.partial(_finish_updates_before_state_dict, state)
+    )
 
 
-def _finish_updates_before_state_dict(module, prefix, keep_vars):
+def _finish_updates_before_state_dict(state, module, prefix, keep_vars):
+    # model.state_dict() must see the weights of the last step, whose all-gather may
+    # still be in flight (it is otherwise landed by the next forward).
     from .optim import finish_param_update
 
-    for unit in module._amsp_state.units:
+    for unit in state.units:
         finish_param_update(unit)

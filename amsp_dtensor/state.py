@@ -25,7 +25,7 @@ class AMSPUnit:
     module: nn.Module
     fqn: str  # for messages; set when the root is known
     info: MeshInfo
-    params: list[nn.Parameter]  # in the order of the flat gradient buffers
+    own_params: list[nn.Parameter] | None  # s_p = 1 units; FSDP units read FSDP's (below)
     uses_fsdp: bool  # False when s_p == 1: plain params, our own hooks, no FSDP copy
     global_shapes: list[torch.Size]
     p_layout: FlatLayout  # this rank's P rows of each param (FSDP's padded shard layout)
@@ -39,6 +39,16 @@ class AMSPUnit:
     fired: bool = False  # got its gradients in the current backward
     # optimizer-state path
     pending_param_update: "tuple[PendingComm, object] | None" = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The unit's params in the order of the flat gradient buffers. For FSDP units,
+        FSDP's sharded params, read each time: materialising a meta model (to_empty)
+        lets FSDP swap them."""
+        if self.uses_fsdp:
+            group = self.module._get_fsdp_state()._fsdp_param_group
+            return [fp.sharded_param for fp in group.fsdp_params]
+        return self.own_params
 
     @property
     def numel(self) -> int:

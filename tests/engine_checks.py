@@ -56,3 +56,25 @@ def check_schedule(case, plan, world, per_node, micro_batches, dtype):
         op, dim, _, _, _, phase = key
         if phase in ("forward", "backward"):
             assert dim in ("p", "g"), key
+
+
+def check_cost_model(case, plan, world, per_node, micro_batches, dtype):
+    """Issue 3's planner predicts exactly what the engine did (bytes per collective and
+    the state bytes of every rank), on the same runs as the checks above."""
+    from amsp_dtensor.cost.check import schedule_differences, unit_param_shapes_of
+    from amsp_dtensor.cost.memory import state_bytes_of_rank
+    from amsp_dtensor.plan import ShardingPlan
+    from amsp_dtensor.testing.tiny_llama import TinyLlama
+
+    resolved = ShardingPlan(*plan).resolve(world, per_node)
+    model = TinyLlama()
+    units, root = unit_param_shapes_of(model, model.layers)
+    elem = ELEM[dtype]
+    for rank, result in enumerate(case):
+        diffs = schedule_differences(resolved, units, micro_batches, elem, root, result["events"], clip=True)
+        assert diffs == [], (rank, diffs)
+        predicted = state_bytes_of_rank(units, resolved, rank, elem)
+        mem = result["memory"]
+        assert (mem["param"], mem["grad"], mem["optim"]) == (
+            predicted.param, predicted.grad, predicted.optim
+        ), (rank, mem, predicted)

@@ -26,7 +26,7 @@ EXPECTED = [
     ("sharded twice", ValueError, "already sharded"),
     ("mp_policy of wrong type", TypeError, "MixedPrecisionPolicy"),
     ("hpZ factor not dividing param_shard", ValueError, "reshard_after_forward=3"),
-    ("meta-device params", ValueError, "meta device"),
+    ("optimizer on a meta-device model", ValueError, "meta device"),
     ("mixed dtypes", ValueError, "mixes parameter dtypes"),
     ("frozen params", ValueError, "does not require grad"),
     ("optimizer class is a string", TypeError, "torch.optim.Optimizer subclass"),
@@ -67,9 +67,12 @@ def run_error_cases(rank, world):
         amsp.fully_shard(m.layers[0], mesh=mesh, plan=plan)
 
     def meta():
+        # sharding a meta model is fine (torchtitan does it); the optimizer needs values
         with torch.device("meta"):
             m = TinyLlama()
-        amsp.fully_shard(m.layers[0], mesh=mesh, plan=plan)
+        for block in m.layers:
+            amsp.fully_shard(block, mesh=mesh, plan=plan)
+        amsp.AMSPOptimizer(amsp.fully_shard(m, mesh=mesh, plan=plan), torch.optim.AdamW)
 
     def torch_wrapped():
         m = make_model(torch.float32)

@@ -5,7 +5,7 @@ import pytest
 
 from amsp_dtensor.plan import enumerate_plans
 from engine_cases import MICRO_BATCHES, run_world
-from engine_checks import check_equivalence, check_memory, check_schedule
+from engine_checks import check_cost_model, check_equivalence, check_memory, check_schedule
 
 WORLD, PER_NODE = 8, 4
 PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
@@ -33,5 +33,11 @@ def test_bytes_per_state(world, plan):
 def test_collective_schedule(world, plan, dtype):
     results, _ = world
     check_schedule(results[(plan, dtype)], plan, WORLD, PER_NODE, MICRO_BATCHES, dtype)
+
+
+@pytest.mark.parametrize("plan,dtype", CASES, ids=[f"p{p[0]}-g{p[1]}-os{p[2]}-{d}" for p, d in CASES])
+def test_cost_model_matches_engine(world, plan, dtype):
+    results, _ = world
+    check_cost_model(results[(plan, dtype)], plan, WORLD, PER_NODE, MICRO_BATCHES, dtype)
 
 

@@ -21,7 +21,7 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 @dataclass(frozen=True)
 class CommEvent:
     op: str  # one of OPS
-    dim: str  # mesh dim name: "p", "g", "os", "rep", or "shard" (p x g x os flattened)
+    dim: str  # mesh dim: "p", "g", "os", "rep", "shard" (p x g x os), "p_hpz" (hpZ group)
     group_size: int
     nbytes: int  # see module docstring
     inter_node: bool  # True when the group's ranks are on more than one node

@@ -53,23 +53,6 @@ def _mixed_precision(job_config) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
-def _drop_stale_state_dict_hooks(model: nn.Module) -> None:
-    """WORKAROUND (engine, amsp_dtensor/shard.py _become_root): every module passed to
-    amsp.fully_shard gets a state_dict pre-hook that reads ``module._amsp_state``, but only
-    the last (root) call keeps that attribute; the blocks' hooks then raise
-    AttributeError in ``model.state_dict()``, which torchtitan's CheckpointManager calls
-    at start-up even with checkpointing off. Remove the hooks of non-root modules (the
-    root's hook finishes the updates of every unit). Drop this once the engine does it.
-    """
-    for module in model.modules():
-        if module is model or hasattr(module, "_amsp_state"):
-            continue
-        hooks = module._state_dict_pre_hooks
-        for key, hook in list(hooks.items()):
-            if getattr(hook, "__name__", "") == "_finish_updates_before_state_dict":
-                del hooks[key]
-
-
 def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_config):
     import amsp_dtensor as amsp
 
@@ -104,7 +87,6 @@ def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_co
     # torchtitan divides the loss by the global token count itself (Trainer.train_step):
     # the engine must sum gradients, not average them over ranks.
     amsp.set_gradient_divide_factor(model, 1.0)
-    _drop_stale_state_dict_hooks(model)
     keep_weights(model)
     setattr(model, PLAN_ATTR, plan)
     logger.info(

@@ -1,0 +1,83 @@
+"""hpZ (reshard_after_forward=int) and optimizer checkpoints moved between plans, run
+inside the world-4 process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+import amsp_dtensor as amsp
+from amsp_dtensor.testing.scenarios import LR, global_batches, local_micro_batch, make_model
+from amsp_dtensor.testing.tiny_llama import loss_fn
+
+
+def _build(plan, reshard_after_forward=None):
+    sharding = amsp.ShardingPlan(*plan)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=2, device_type="cpu")
+    model = make_model(torch.float32)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding, reshard_after_forward=reshard_after_forward)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    return model
+
+
+def _train(model, optim, rank, world, steps, first_step=0, recorder=None):
+    losses = []
+    for step in range(first_step, first_step + steps):
+        mb = local_micro_batch(global_batches(step, world, 1, model.cfg), rank, world, 0)
+        with amsp.record_comms(recorder) if recorder is not None else _Null():
+            loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def run_extra_cases(rank, world):
+    out = {}
+    # hpZ: same numbers as plain ZeRO-3-in-a-plan, backward all-gather on the 2-rank group
+    plain = _build((4, 4, 4))
+    plain_optim = amsp.AMSPOptimizer(plain, torch.optim.AdamW, lr=LR)
+    hpz = _build((4, 4, 4), reshard_after_forward=2)
+    hpz_optim = amsp.AMSPOptimizer(hpz, torch.optim.AdamW, lr=LR)
+    recorder = amsp.CommRecorder()
+    out["plain_losses"] = _train(plain, plain_optim, rank, world, 3)
+    out["hpz_losses"] = _train(hpz, hpz_optim, rank, world, 3, recorder=recorder)
+    out["hpz_events"] = sorted({(e.op, e.dim, e.group_size, e.inter_node, e.phase) for e in recorder.events})
+
+    # checkpoint: train under (2,2,4), move model + optimizer state to (1,4,4), continue
+    source = _build((2, 2, 4))
+    source_optim = amsp.AMSPOptimizer(source, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    _train(source, source_optim, rank, world, 3)
+    # model.state_dict() (here via DCP's helper) first lands the weights that the last
+    # step's overlapped all-gather is still bringing
+    full = StateDictOptions(full_state_dict=True)
+    model_state = get_model_state_dict(source, options=full)
+    optim_state = source_optim.state_dict()
+    out["optim_state_types"] = sorted(
+        {type(v).__name__ for entry in optim_state["state"].values() for v in entry.values()}
+    )
+    target = _build((1, 4, 4))
+    set_model_state_dict(target, model_state, options=full)
+    target_optim = amsp.AMSPOptimizer(target, torch.optim.AdamW, lr=0.0)
+    target_optim.load_state_dict(optim_state)
+    out["loaded_lr"] = target_optim.param_groups[0]["lr"]
+    out["source_continued"] = _train(source, source_optim, rank, world, 3, first_step=3)
+    out["target_continued"] = _train(target, target_optim, rank, world, 3, first_step=3)
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
