@@ -2,7 +2,7 @@
 good run, a failing command, a timeout, a SIGTERM/SIGINT of the tool, and (via the stale
 cleanup) a SIGKILL of the tool. Needs root + iproute2; skips with the reason otherwise.
 
-Runs several torchruns: run it under `flock /tmp/amsp_cpu.lock` like any multi-rank test.
+Runs several torchruns.
 """
 
 from __future__ import annotations
