@@ -84,6 +84,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
             )
         self._model_state: AMSPState = find_state(model)
         for unit in self._model_state.units:
+            if unit.refresh_params():
+                from .shard import register_grad_hooks
+
+                register_grad_hooks(unit)
             if any(p.device.type == "meta" for p in unit.local_params()):
                 raise ValueError(
                     f"parameters of {unit.fqn or 'the root'} are still on the meta device: "

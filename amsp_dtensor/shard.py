@@ -167,12 +167,17 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         module.set_custom_all_gather(RecordingAllGather(collectives))
         module.set_custom_reduce_scatter(RecordingReduceScatter(collectives))
     else:
-        for index, param in enumerate(params):
-            param.register_post_accumulate_grad_hook(grad_path.make_param_grad_hook(unit, index))
+        register_grad_hooks(unit)
     # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
     # by the last optimizer step, must have landed before it is all-gathered or used.
     module.register_forward_pre_hook(_wait_param_update_hook(unit), prepend=True)
     return unit
+
+
+def register_grad_hooks(unit: AMSPUnit) -> None:
+    """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path."""
+    for index, param in enumerate(unit.params):
+        param.register_post_accumulate_grad_hook(grad_path.make_param_grad_hook(unit, index))
 
 
 def _fsdp_names(module: nn.Module, params: list[nn.Parameter]) -> list[str]:

@@ -50,6 +50,16 @@ class AMSPUnit:
             return [fp.sharded_param for fp in group.fsdp_params]
         return self.own_params
 
+    def refresh_params(self) -> bool:
+        """For s_p = 1 units: pick up Parameter objects that ``module.to_empty`` (materialising
+        a meta model) may have replaced. Returns True if any changed (hooks need re-adding)."""
+        if self.uses_fsdp:
+            return False
+        current = [self.module.get_parameter(name) for name in self.param_names]
+        changed = any(a is not b for a, b in zip(current, self.own_params))
+        self.own_params = current
+        return changed
+
     @property
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.global_shapes)

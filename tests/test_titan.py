@@ -60,7 +60,9 @@ def losses(dump: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def debug_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("debug_cpu")
-    proc = torchrun(["--training.steps", "3"], dump)
+    # torchtitan's own init flow (meta model sharded, shards initialised afterwards), the
+    # one the 8B/70B recipes use; the equivalence tests cover init_full_model = true.
+    proc = torchrun(["--training.steps", "3", "--amsp.no-init-full-model"], dump)
     return dump, proc
 
 
@@ -68,7 +70,7 @@ def test_debug_recipe_trains_and_loss_falls(debug_run):
     dump, proc = debug_run
     curve = losses(dump)
     assert len(curve) == 3
-    assert curve[-1] < curve[0] - 0.2, curve  # measured: about 8.04 -> 7.38 in 3 steps
+    assert curve[-1] < curve[0] - 0.2, curve  # measured: 8.14 -> 7.44 in 3 steps
     assert "plan p2-g2-os4 on 4 ranks (2 per node)" in proc.stdout + proc.stderr
 
 

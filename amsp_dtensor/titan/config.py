@@ -40,6 +40,13 @@ class Amsp:
     """plan = "auto": a measured bandwidth profile (python -m amsp_dtensor.profile); "" = the
     planner's default alpha-beta model."""
 
+    init_full_model: bool = True
+    """True: every rank materialises and seeds the FULL model before sharding, so any two
+    plans start from identical weights (CPU runs, equivalence tests). False: torchtitan's
+    own flow, sharding the meta model and initialising each rank's shards afterwards
+    (needed when the full model does not fit one rank, e.g. 70B; initial weights then
+    depend on the layout, as with FSDP on CPU)."""
+
     init_like_single_process: bool = False
     """For non-AMSP baselines (e.g. --model.name llama3): initialise weights from one full
     seeded model, as AMSP runs always do, so runs with different layouts start equal."""

@@ -72,9 +72,13 @@ def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_co
     if compile_model:
         apply_compile(model, job_config.compile)
 
-    # amsp.fully_shard shards real tensors: initialise the full model first (same seed on
-    # every rank), then keep torchtitan's later to_empty/init_weights off it.
-    init_full_model(model, job_config)
+    full_init = job_config.amsp.init_full_model
+    if full_init:
+        # Same seed, whole model, every rank: all plans start from identical weights.
+        # torchtitan's later to_empty/init_weights are then kept off it (keep_weights).
+        init_full_model(model, job_config)
+    # else: shard the meta model; torchtitan's Trainer materialises and initialises the
+    # shards afterwards (to_empty + init_weights), as with its own FSDP path.
 
     sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
     mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node, device_type=device_type)
@@ -87,7 +91,8 @@ def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_co
     # torchtitan divides the loss by the global token count itself (Trainer.train_step):
     # the engine must sum gradients, not average them over ranks.
     amsp.set_gradient_divide_factor(model, 1.0)
-    keep_weights(model)
+    if full_init:
+        keep_weights(model)
     setattr(model, PLAN_ATTR, plan)
     logger.info(
         f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
