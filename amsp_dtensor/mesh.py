@@ -12,6 +12,7 @@ tensor is arange(W).reshape(rep, os, g, p) permuted to (rep, p, g, os):
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 import weakref
@@ -35,6 +36,7 @@ class MeshInfo:
     mesh: DeviceMesh
     plan: ResolvedPlan
     _groups: dict = field(default_factory=dict)
+    _crosses_nodes: dict = field(default_factory=dict)
 
     @property
     def ranks_per_node(self) -> int:
@@ -55,8 +57,22 @@ class MeshInfo:
         return self.plan.mesh_shape[dim]
 
     def crosses_nodes(self, dim: str) -> bool:
-        ranks = dist.get_process_group_ranks(self.group(dim))
-        return len({r // self.ranks_per_node for r in ranks}) > 1
+        if dim not in self._crosses_nodes:
+            ranks = dist.get_process_group_ranks(self.group(dim))
+            self._crosses_nodes[dim] = len({r // self.ranks_per_node for r in ranks}) > 1
+        return self._crosses_nodes[dim]
+
+    @functools.cached_property
+    def coordinate(self) -> dict[str, int]:
+        """This rank's index along each mesh dim."""
+        return dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+
+    @functools.cached_property
+    def os_split(self) -> tuple[int, int]:
+        """(k, i): this rank is member i of the k = s_os/s_p ranks that split its P shard
+        into OS shards ((1, 0) when s_os = s_p)."""
+        dim = self.os_subgroup_dim
+        return (1, 0) if dim is None else (self.size(dim), self.coordinate[dim])
 
     @property
     def os_subgroup_dim(self) -> str | None:

@@ -51,16 +51,6 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _os_index(unit: AMSPUnit) -> tuple[int, int]:
-    """(k, i): this rank is member i of the k ranks that split its P shard into OS shards."""
-    info = unit.info
-    dim = info.os_subgroup_dim
-    if dim is None:
-        return 1, 0
-    coord = dict(zip(info.mesh.mesh_dim_names, info.mesh.get_coordinate()))
-    return info.size(dim), coord[dim]
-
-
 class AMSPOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer_class`` (any torch.optim.Optimizer) around OS-sharded masters.
 
@@ -118,7 +108,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     # ---- construction -------------------------------------------------------------
     def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
-        k, index = _os_index(unit)
+        k, index = unit.info.os_split
         masters = []
         for local, shape, rows in zip(unit.local_params(), unit.global_shapes, unit.p_layout.params):
             start, length = chunk_rows(rows.rows, k)[index]
@@ -238,17 +228,17 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def _send_params(self, unit: AMSPUnit, masters: list[DTensor]) -> None:
         """Master -> P: local copy if s_os == s_p, else all-gather over the OS subgroup."""
         p_locals = unit.local_params()
-        dim = unit.info.os_subgroup_dim
-        if dim is None:
+        k = unit.info.os_split[0]
+        if k == 1:
             for dest, master in zip(p_locals, masters):
                 dest.copy_(master.to_local().view(dest.shape))
             return
-        k = unit.info.size(dim)
         dtype = p_locals[0].dtype
         send = torch.zeros(unit.os_layout.numel, dtype=dtype, device=p_locals[0].device)
         for view, master in zip(unit.os_layout.views(send), masters):
             view.copy_(master.to_local().reshape(view.shape))
         gathered = send.new_empty(k, unit.os_layout.numel)
+        dim = unit.info.os_subgroup_dim
         pending = self._model_state.collectives.all_gather(gathered.view(-1), send, dim, phase="step")
         unit.pending_param_update = (pending, send)
 
@@ -360,6 +350,6 @@ def finish_param_update(unit: AMSPUnit) -> None:
         return
     pending, _send = unit.pending_param_update
     unit.pending_param_update = None
-    k = unit.info.size(unit.info.os_subgroup_dim)
+    k = unit.info.os_split[0]
     gathered = pending.wait().view(k, -1)
     unit.p_layout.unpack_into(gathered, k, unit.local_params())

@@ -11,9 +11,7 @@ the params stay plain tensors and per-param post-accumulate-grad hooks feed the 
 from __future__ import annotations
 
 import functools
-import math
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy

@@ -8,15 +8,13 @@ the queue of in-flight gradient collectives.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Collectives, PendingComm
-from .layouts import FlatLayout, ParamRows
+from .layouts import FlatLayout
 from .mesh import MeshInfo
 
 
@@ -60,10 +58,6 @@ class AMSPUnit:
         self.own_params = current
         return changed
 
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.global_shapes)
-
     def local_params(self) -> list[torch.Tensor]:
         """This rank's P rows of each param, as plain tensors sharing the param storage."""
         if self.uses_fsdp:
@@ -95,11 +89,10 @@ def build_layouts(
 ) -> tuple[FlatLayout, FlatLayout, FlatLayout]:
     """P, G and OS flat layouts of one unit on this rank (see layouts.py for the rule)."""
     p_layout = FlatLayout.for_shapes(global_shapes, rows=p_rows, caps=p_caps)
-    coord = dict(zip(info.mesh.mesh_dim_names, info.mesh.get_coordinate()))
     k_g = info.size("g")
-    g_layout = p_layout.split(k_g, coord["g"]) if k_g > 1 else p_layout
-    sub_dim = info.os_subgroup_dim
-    os_layout = p_layout.split(info.size(sub_dim), coord[sub_dim]) if sub_dim else p_layout
+    g_layout = p_layout.split(k_g, info.coordinate["g"]) if k_g > 1 else p_layout
+    k_os, os_index = info.os_split
+    os_layout = p_layout.split(k_os, os_index) if k_os > 1 else p_layout
     return p_layout, g_layout, os_layout
 
 
@@ -112,6 +105,3 @@ def find_state(module: nn.Module) -> AMSPState:
         )
     return state
 
-
-def mesh_of(module: nn.Module) -> DeviceMesh:
-    return find_state(module).info.mesh

@@ -9,7 +9,6 @@ twice that for AR; the cost model derives it, the recorder records the buffer on
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -32,9 +31,6 @@ class CommEvent:
         """What a schedule comparison looks at (no timing)."""
         return (self.op, self.dim, self.group_size, self.nbytes, self.inter_node, self.phase)
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 class CommRecorder:
     """Collects CommEvents while active. Use via ``record_comms()``."""
@@ -50,16 +46,6 @@ class CommRecorder:
     def clear(self) -> None:
         with self._lock:
             self.events.clear()
-
-    def summary(self) -> dict[tuple[str, str], dict[str, float]]:
-        """{(op, dim): {"count", "bytes", "seconds"}} over recorded events."""
-        out: dict[tuple[str, str], dict[str, float]] = {}
-        for e in self.events:
-            row = out.setdefault((e.op, e.dim), {"count": 0, "bytes": 0, "seconds": 0.0})
-            row["count"] += 1
-            row["bytes"] += e.nbytes
-            row["seconds"] += e.seconds
-        return out
 
     def bytes_by_locality(self) -> dict[str, int]:
         out = {"intra": 0, "inter": 0}

@@ -15,7 +15,6 @@ The paper's rules (PAPER.md, "Dependency rules"), checked by `ShardingPlan.resol
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Union
 
@@ -186,9 +185,6 @@ class ResolvedPlan:
             f"grad_shard = {self.s_g}\n"
             f"optim_shard = {self.s_os}\n"
         )
-
-    def replace(self, **kw) -> "ResolvedPlan":
-        return dataclasses.replace(self, **kw)
 
 
 def enumerate_plans(world_size: int, ranks_per_node: int) -> list[ResolvedPlan]:
