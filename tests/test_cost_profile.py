@@ -13,12 +13,27 @@ import pytest
 from amsp_dtensor.cost.bandwidth import load_table
 from amsp_dtensor.cost.comm import dim_group
 from amsp_dtensor.plan import enumerate_plans
-from amsp_dtensor.profile import _size, group_shapes, groups_of
+from amsp_dtensor.profile import _numel, _size, group_shapes, groups_of
 
 
 def test_sizes():
     assert _size("1K") == 1024 and _size("16M") == 16 * 2**20 and _size("4096") == 4096
     assert _size("1GB") == 2**30
+
+
+def test_sizes_round_to_whole_elements_per_rank():
+    assert _numel("all_reduce", 4, 8, 4) == 1  # one fp32, any group size
+    assert _numel("all_gather", 4, 8, 4) == 8  # one element per rank
+    assert _numel("reduce_scatter", 1000, 3, 2) == 498  # multiple of 3 below 500
+    assert _numel("broadcast", 4096, 4, 2) == 2048
+
+
+def test_bad_arguments_exit_2_naming_the_flag():
+    for flag in ("--rounds", "--repeats", "--min-bytes"):
+        proc = subprocess.run([sys.executable, "-m", "amsp_dtensor.profile", "--out", "x.json",
+                               flag, "0"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and flag in proc.stderr.splitlines()[-1], proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_group_shapes_cover_every_plan_dim():
@@ -45,7 +60,7 @@ def test_profile_runs_on_two_gloo_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", "29561", "-m", "amsp_dtensor.profile", "--out", str(out),
            "--ranks-per-node", "1", "--max-bytes", "16K", "--repeats", "2",
-           "--target-ms", "1"]
+           "--target-ms", "1", "--rounds", "2", "--dtype", "float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -53,6 +68,10 @@ def test_profile_runs_on_two_gloo_ranks(tmp_path):
     assert data["world_size"] == 2 and data["backend"] == "gloo"
     ops = {(e["op"], e["group_size"], e["group_nodes"]) for e in data["entries"]}
     assert ops == {(op, 2, 2) for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")}
-    assert [p[0] for p in data["entries"][0]["points"]] == [1024, 4096, 16384]
+    assert data["rounds"] == 2
+    points = {e["op"]: [p[0] for p in e["points"]] for e in data["entries"]}
+    # from one fp32 (clip's scalar all-reduce) up; AG/RS need one element per rank
+    assert points["all_reduce"] == points["broadcast"] == [4, 16, 64, 256, 1024, 4096, 16384]
+    assert points["all_gather"] == points["reduce_scatter"] == [8, 16, 64, 256, 1024, 4096, 16384]
     table = load_table(out)  # the planner reads what the profiler writes
     assert table.time("all_reduce", 8192, dim_group(enumerate_plans(2, 1)[0], "rep")) > 0
