@@ -15,9 +15,13 @@ Predicted = estimate_memory(...).total (states + activations + temporaries).
 Communication: every torch.distributed collective the engine (and FSDP2 inside it) calls
 is made synchronous and timed: a barrier of the whole world (not timed: removes rank skew
 and keeps every rank's compute off the shared cores while it runs), then the collective,
-then wait. Measured = sum of those times over one step (after a warm-up
-step), slowest rank. Predicted = step_comm_time(predicted_events(...), table) with the
-profile table. Same regime as the profiler: a group's collective timed from a common start.
+then wait, then another untimed world barrier (no rank goes back to compute before all
+are done; see CommTimer). A step's measured time = sum over its calls of the slowest
+rank's time; the summary takes the median over the timed steps (all but the first).
+Predicted = step_comm_time(predicted_events(...), table) with the profile table. Same
+regime as the profiler: a group's collective timed from a common start, nobody computing.
+
+    python -m amsp_dtensor.cost.validate summarize [--table t.json] [--memory] runs.json..
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class CommTimer:
 
     def __init__(self):
         self.active = False
+        self.barrier_after = True
         self.seconds = 0.0
         self.calls = 0
         self.log = []
@@ -72,14 +77,43 @@ class CommTimer:
             work = orig(*args, async_op=True, **kwargs)
             work.wait()
             dt = time.perf_counter() - t0
+            # Untimed: nobody goes back to compute until every member is done. Without
+            # it, ranks that finish first take the 2 cores for the next unit's compute
+            # while the last rank waits to be scheduled, and its time grows by 5-50 ms
+            # of run-queue delay (4 processes on 2 cores), which is not communication.
+            # The profiler's samples end the same way (the all-reduce of the sample).
+            if timer.barrier_after:
+                dist.barrier()
             timer.seconds += dt
             timer.calls += 1
-            t = args[0] if args else next(iter(kwargs.values()))
-            timer.log.append((orig.__name__, dist.get_world_size(kwargs.get("group")),
-                              t.numel() * t.element_size(), dt))
+            timer.log.append(_call_record(orig, args, kwargs, dt))
             return work if async_op else None
 
         return timed
+
+
+_OP_OF = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+          "all_reduce": "all_reduce", "broadcast": "broadcast"}
+
+
+def _call_record(orig, args, kwargs, seconds: float) -> tuple:
+    """(op, group ranks, nbytes, seconds), nbytes in the recorder's convention (AG output,
+    RS input, AR/BC tensor), so each call can be costed from the table on its own."""
+    import inspect
+
+    import torch.distributed as dist
+
+    bound = inspect.signature(orig).bind(*args, **kwargs).arguments
+    op = _OP_OF[orig.__name__]
+    # parameter names differ between the functions; the first tensor parameter is the
+    # output (AG, RS) or the tensor (AR, BC), the second the input
+    tensors = [v for v in bound.values() if hasattr(v, "element_size")]
+    t = tensors[1] if op == "reduce_scatter" else tensors[0]
+    group = bound.get("group")
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+        range(dist.get_world_size()))
+    return op, ranks, t.numel() * t.element_size(), seconds
 
 
 def _probe_inside(dist, mesh=None) -> dict:
@@ -155,6 +189,10 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true",
                     help="after training, time isolated AR/RS of 3.4 MB on the world group "
                     "in this process (profiler regime), to compare with the table")
+    ap.add_argument("--no-barrier-after", action="store_true",
+                    help="let ranks return to compute as soon as their own part of a timed "
+                    "collective is done (the measured time then includes run-queue delay "
+                    "when ranks outnumber cores)")
     ap.add_argument("--cold-runtime", action="store_true",
                     help="skip the tiny warm-up step before the memory baseline")
     ap.add_argument("--table", help="bandwidth table JSON for the time prediction")
@@ -162,6 +200,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     timer = CommTimer()
+    timer.barrier_after = not args.no_barrier_after
     timer.install()  # before FSDP/engine modules look anything up
     import torch.distributed as dist
 
@@ -341,11 +380,12 @@ def summarize(paths, table_path=None) -> list[dict]:
         rows.append({
             "plan": r["plan"],
             "predicted_peak": r["predicted_memory"]["total"],
+            "predicted_parts": r["predicted_memory"],
             "measured_peak": peak,
             "peak_error": (r["predicted_memory"]["total"] - peak) / peak,
             "predicted_comm": predicted,
             "measured_comm": measured_comm,
-            "comm_error": (predicted - measured_comm) / measured_comm,
+            "comm_error": None if predicted is None else (predicted - measured_comm) / measured_comm,
             "comm_per_step": per_step,
             "calls": ranks[0]["measured_comm_calls"][0],
             "step_wall": statistics.median(ranks[0]["step_wall_seconds"][1:]),
@@ -353,23 +393,88 @@ def summarize(paths, table_path=None) -> list[dict]:
     return rows
 
 
-def print_summary(rows) -> None:
-    print(f"{'plan':<12}{'pred MiB':>9}{'meas MiB':>9}{'err':>7}{'pred ms':>9}{'meas ms':>9}"
-          f"{'err':>7}{'calls':>6}")
+def call_breakdown(path, table_path) -> list[dict]:
+    """Per kind of call (op, group size, stride, nbytes) of one run: the table's time
+    against the measured time (slowest rank, mean over calls and timed steps)."""
+    import collections
+    import statistics
+
+    from amsp_dtensor.cost.bandwidth import load_table
+    from amsp_dtensor.cost.comm import group_shape
+
+    table = load_table(table_path)
+    with open(path) as f:
+        r = json.load(f)
+    ranks = r["ranks"]
+    calls = ranks[0]["last_step_calls"]
+    by_kind = collections.defaultdict(list)
+    for i, (op, group_ranks, nbytes, _) in enumerate(calls):
+        stride = group_ranks[1] - group_ranks[0] if len(group_ranks) > 1 else 1
+        kind = (op, len(group_ranks), stride, nbytes)
+        for step in range(len(ranks[0]["call_seconds_by_step"])):
+            by_kind[kind].append(max(x["call_seconds_by_step"][step][i] for x in ranks))
+    n_steps = len(ranks[0]["call_seconds_by_step"])
+    rows = []
+    for (op, size, stride, nbytes), seconds in by_kind.items():
+        shape = group_shape(size, stride, r["world_size"], r["ranks_per_node"])
+        rows.append({"op": op, "group_size": size, "stride": stride, "nbytes": nbytes,
+                     "calls_per_step": len(seconds) // n_steps,
+                     "predicted": table.time(op, nbytes, shape),
+                     "measured": statistics.fmean(seconds)})
+    return rows
+
+
+def print_summary(rows, memory=True, comm=True) -> None:
+    head = f"{'plan':<12}"
+    if memory:
+        head += f"{'P MiB':>7}{'G MiB':>7}{'OS MiB':>7}{'act':>6}{'temp':>6}{'pred MiB':>9}{'meas MiB':>9}{'err':>7}"
+    if comm:
+        head += f"{'pred ms':>9}{'meas ms':>9}{'err':>7}{'calls':>6}"
+    print(head)
     for row in rows:
-        print(f"{row['plan']:<12}{row['predicted_peak'] / 2**20:9.1f}"
-              f"{row['measured_peak'] / 2**20:9.1f}{100 * row['peak_error']:+6.1f}%"
-              f"{row['predicted_comm'] * 1e3:9.1f}{row['measured_comm'] * 1e3:9.1f}"
-              f"{100 * row['comm_error']:+6.1f}%{row['calls']:6d}")
+        line = f"{row['plan']:<12}"
+        if memory:
+            parts = row["predicted_parts"]
+            line += "".join(f"{parts[k] / 2**20:{w}.1f}" for k, w in
+                            (("param", 7), ("grad", 7), ("optim", 7), ("activations", 6),
+                             ("temp", 6)))
+            line += (f"{row['predicted_peak'] / 2**20:9.1f}{row['measured_peak'] / 2**20:9.1f}"
+                     f"{100 * row['peak_error']:+6.1f}%")
+        if comm:
+            line += (f"{row['predicted_comm'] * 1e3:9.1f}{row['measured_comm'] * 1e3:9.1f}"
+                     f"{100 * row['comm_error']:+6.1f}%{row['calls']:6d}")
+        print(line)
+
+
+def print_call_breakdown(path, table_path) -> None:
+    print(f"\n{path}: per kind of call, ms per call")
+    print(f"{'op':<15}{'n':>3}{'stride':>7}{'bytes':>10}{'/step':>6}{'pred':>7}{'meas':>7}")
+    for c in call_breakdown(path, table_path):
+        print(f"{c['op']:<15}{c['group_size']:3d}{c['stride']:7d}{c['nbytes']:10d}"
+              f"{c['calls_per_step']:6d}{c['predicted'] * 1e3:7.1f}{c['measured'] * 1e3:7.1f}")
+
+
+def summarize_main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="python -m amsp_dtensor.cost.validate summarize")
+    ap.add_argument("--table", help="bandwidth table: recompute the time prediction with it "
+                    "and print the per-call breakdown")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--memory", action="store_true", help="memory columns only")
+    only.add_argument("--comm", action="store_true", help="communication columns only")
+    ap.add_argument("runs", nargs="+", help="JSON files written by validate --out")
+    args = ap.parse_args(argv)
+    rows = summarize(args.runs, args.table)
+    comm = not args.memory
+    if comm and any(r["predicted_comm"] is None for r in rows):
+        ap.error("a run has no time prediction: pass --table, or --memory")
+    print_summary(rows, memory=not args.comm, comm=comm)
+    if comm and args.table:
+        for path in args.runs:
+            print_call_breakdown(path, args.table)
+    return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "summarize":
-        # python -m amsp_dtensor.cost.validate summarize [--table t.json] val_*.json
-        rest = sys.argv[2:]
-        table = None
-        if rest[:1] == ["--table"]:
-            table, rest = rest[1], rest[2:]
-        print_summary(summarize(rest, table))
-        sys.exit(0)
+        sys.exit(summarize_main(sys.argv[2:]))
     sys.exit(main())
