@@ -62,3 +62,21 @@ def test_summary_medians_spreads_and_verdict():
     assert "AMSP / ZeRO-3 (FSDP2) tokens/s = 2.25x (target >= 1.5x: met)" in text
     assert "EXACT match" in text
     assert "no overlap of min-max ranges" in text  # 400-1000 vs 200-250
+
+
+def test_bench_passes_every_workload_option_to_its_workers():
+    """tools/bench.py forwards the workload options to tools/bench_worker: one definition
+    of them, every one forwarded, values preserved."""
+    import argparse
+
+    from tools import bench_worker as W
+
+    only = argparse.ArgumentParser()
+    W.add_workload_args(only)
+    dests = {a.dest for a in only._actions if a.dest != "help"}
+    assert dests == set(W.WORKLOAD_DESTS)
+    args = W.parse_args(["--seq", "128", "--steps", "3", "--plans", "p1-g1-os2",
+                         "--intra-bw", "2e9", "--out", "x"])
+    again = W.parse_args(W.workload_argv(args) + ["--out", "x"])
+    assert {d: getattr(again, d) for d in dests} == {d: getattr(args, d) for d in dests}
+    assert (again.seq, again.steps, again.plans, again.intra_bw) == (128, 3, "p1-g1-os2", 2e9)

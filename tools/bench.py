@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools import bench_report
+from tools import bench_report, bench_worker
 from tools.cluster import ClusterSpec, LinkSpec, run_cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,21 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--delay", default="0ms", help="one-way delay (needs netem in the kernel)")
     ap.add_argument("--no-netns", action="store_true", help="loopback only, no shaping")
     ap.add_argument("--timeout", type=float, default=280.0, help="seconds for the whole run")
-    ap.add_argument("--flavor", default="debugmodel")
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
-    ap.add_argument("--warmup", type=int, default=2,
-                    help="untimed steps first (FSDP2/HSDP settle only by the third step)")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--systems", default="ddp,zero1,zero3,hsdp,hpz,amsp")
-    ap.add_argument("--plans", default="", help="extra AMSP plans: p2-g4-os4,p1-g1-os2")
-    ap.add_argument("--mem-budget-gib", default="hsdp",
-                    help="planner's memory budget per rank in GiB, or 'hsdp' = the planner's "
-                         "own estimate of HSDP's memory (AMSP must fit where HSDP fits)")
-    ap.add_argument("--intra-bw", type=float, default=1.0e9,
-                    help="bytes/s inside a node, for the planner (probe: ~1.1e9 loopback)")
+    bench_worker.add_workload_args(ap)
     ap.add_argument("--out-json", default=str(REPO / "runs" / "bench" / "benchmarks.json"),
                     help="raw results (runs/ is git-ignored)")
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
@@ -71,11 +57,7 @@ def main(argv=None) -> int:
         os.chmod(tmp, 0o755)
         out = Path(tmp) / "result.json"
         worker = [
-            "-m", "tools.bench_worker", "--flavor", args.flavor, "--seq", str(args.seq),
-            "--micro-batch", str(args.micro_batch), "--micro-batches", str(args.micro_batches),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--reps", str(args.reps),
-            "--systems", args.systems, "--plans", args.plans,
-            "--mem-budget-gib", str(args.mem_budget_gib), "--intra-bw", str(args.intra_bw),
+            "-m", "tools.bench_worker", *bench_worker.workload_argv(args),
             "--inter-bw", str(inter_bw if not args.no_netns else args.intra_bw),
             "--out", str(out),
         ]

@@ -24,23 +24,43 @@ import torch.distributed as dist
 from tools import bench_comm, bench_memory, bench_systems as S
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser()
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The options tools/bench.py takes and passes on to every worker: one definition,
+    one set of defaults (those of the documented benchmark)."""
     ap.add_argument("--flavor", default="debugmodel")
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch")
     ap.add_argument("--micro-batches", type=int, default=4, help="M: grad-accumulation steps")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1, help="timed steps per repetition")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed steps first (FSDP2/HSDP settle only by the third step)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", default="ddp,zero1,zero3,hsdp,hpz,amsp")
     ap.add_argument("--plans", default="", help="extra AMSP plans, e.g. p2-g4-os4,p1-g1-os4")
     ap.add_argument("--mem-budget-gib", default="hsdp",
                     help="planner budget per rank (GiB), or 'hsdp': the planner's estimate of "
                          "HSDP's memory for the same model and batch")
-    ap.add_argument("--intra-bw", type=float, default=1.0e9, help="bytes/s, for the planner")
+    ap.add_argument("--intra-bw", type=float, default=1.0e9,
+                    help="bytes/s inside a node, for the planner (probe: ~1.1e9 loopback)")
+
+
+WORKLOAD_DESTS = ("flavor", "seq", "micro_batch", "micro_batches", "warmup", "steps", "reps",
+                  "systems", "plans", "mem_budget_gib", "intra_bw")
+
+
+def workload_argv(args: argparse.Namespace) -> list[str]:
+    """The worker's command-line form of the workload options in `args`."""
+    argv = []
+    for dest in WORKLOAD_DESTS:
+        argv += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
+    return argv
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--inter-bw", type=float, default=125e6, help="bytes/s, for the planner")
     ap.add_argument("--attention", default="flash", help="planner's activation model")
     ap.add_argument("--out", required=True)
