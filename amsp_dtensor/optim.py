@@ -250,6 +250,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         DTensors in the OS layout, so DCP can save and reshard them.
         """
         self.finish_param_sync()
+        self._materialize_state()
         inner = self.inner.state_dict()
         state = {}
         for index, (fqn, master) in enumerate(zip(self._fqns, self._masters)):
@@ -265,6 +266,37 @@ class AMSPOptimizer(torch.optim.Optimizer):
             g["params"] = [self._fqns[i] for i in group["params"]]
             groups.append(g)
         return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def _materialize_state(self) -> None:
+        """Create the inner optimizer's per-parameter state before its first step.
+
+        torch optimizers create their state in the first step(), and DCP (torchtitan's
+        checkpointer) loads only the tensors a state_dict() offers: resuming into a fresh
+        optimizer would silently drop exp_avg/exp_avg_sq/step. As
+        torch.distributed.checkpoint.state_dict._init_optim_state does, step once with
+        zero grads and lr 0 (params unchanged, moments stay 0); unlike it, step counters
+        go back to 0, so a run that saves or loads nothing is unchanged.
+        """
+        if self.inner.state:
+            return
+        for opt_param in self._opt_params:
+            opt_param.grad = torch.zeros_like(opt_param)
+        lrs = [group["lr"] for group in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        try:
+            self.inner.step()
+        finally:
+            for group, lr in zip(self.inner.param_groups, lrs):
+                group["lr"] = lr
+            for opt_param in self._opt_params:
+                opt_param.grad = None
+        for param_state in self.inner.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"].zero_()
+            elif "step" in param_state:
+                param_state["step"] = 0
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:

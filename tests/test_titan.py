@@ -129,6 +129,34 @@ def test_memory_by_state_matches_the_plan(debug_run):
 
 
 # --------------------------------------------------------------------------------------
+# torchtitan's checkpointer (DCP) with AMSPOptimizer: save, then resume under another plan.
+# --------------------------------------------------------------------------------------
+def test_checkpoint_resume_under_another_plan_continues_the_same_curve(tmp_path):
+    """4 steps saving at step 2 (plan p2-g2-os4), then a fresh job under p1-g4-os4 that
+    loads step 2 and runs steps 3-4: its losses are the uninterrupted run's. Step 3 only
+    needs the weights; step 4 needs the optimizer's moments and step counts too (before
+    AMSPOptimizer materialised its state for DCP, a resumed AdamW restarted from zero
+    moments and step 4 drifted)."""
+    import shutil
+
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    full = tmp_path / "full"
+    torchrun(["--training.steps", "4", *ckpt], full)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    proc = torchrun(["--training.steps", "4", *ckpt,
+                     "--amsp.param_shard", "1", "--amsp.grad_shard", "4"], resumed)
+    assert "Loading the checkpoint from" in proc.stdout + proc.stderr
+    assert "p1-g4-os4" in proc.stdout + proc.stderr
+    expected = scalars(full)["loss_metrics/global_avg_loss"]
+    got = scalars(resumed)["loss_metrics/global_avg_loss"]
+    assert sorted(got) == [3, 4]
+    # another plan sums in another order: fp32 round-off only
+    assert [got[3], got[4]] == pytest.approx([expected[3], expected[4]], rel=1e-5, abs=0)
+    assert expected[4] != pytest.approx(expected[3], rel=1e-3)  # the step moved the loss
+
+
+# --------------------------------------------------------------------------------------
 # [amsp] validation: one line naming the key, non-zero exit, before any training.
 # --------------------------------------------------------------------------------------
 def _main(argv, monkeypatch, capsys, world=4, local=2):
