@@ -105,6 +105,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._grads_ready = False
+        # True while the inner state is the zero placeholder made for a checkpoint load
+        # (_materialize_state) and nothing was loaded into it: the first step drops it.
+        self._placeholder_state = False
 
     # ---- construction -------------------------------------------------------------
     def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
@@ -202,6 +205,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
         for unit, _ in self._unit_masters:
             finish_param_update(unit)
         self._prepare_master_grads()
+        if self._placeholder_state:
+            # state_dict() ran before the first step and no checkpoint was loaded: let
+            # the optimizer create its state as it would have (exactly, for any class).
+            self.inner.state.clear()
+            self._placeholder_state = False
         self.inner.step()
         for opt_param in self._opt_params:
             opt_param.grad = None  # the fp32 copies are step-time scratch; G stays until zero_grad
@@ -275,21 +283,24 @@ class AMSPOptimizer(torch.optim.Optimizer):
         checkpointer) loads only the tensors a state_dict() offers: resuming into a fresh
         optimizer would silently drop exp_avg/exp_avg_sq/step. As
         torch.distributed.checkpoint.state_dict._init_optim_state does, step once with
-        zero grads and lr 0 (params unchanged, moments stay 0); unlike it, step counters
-        go back to 0, so a run that saves or loads nothing is unchanged.
+        zero grads, lr 0 (params unchanged) and, unlike it, weight_decay 0 (Adam's L2
+        term would put wd*param into the moments); step counters go back to 0. Unless a
+        checkpoint is loaded into it, this placeholder is dropped at the first step.
         """
         if self.inner.state:
             return
         for opt_param in self._opt_params:
             opt_param.grad = torch.zeros_like(opt_param)
-        lrs = [group["lr"] for group in self.inner.param_groups]
-        for group in self.inner.param_groups:
-            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group}
+                 for group in self.inner.param_groups]
+        for group, values in zip(self.inner.param_groups, saved):
+            for key, value in values.items():
+                group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
         try:
             self.inner.step()
         finally:
-            for group, lr in zip(self.inner.param_groups, lrs):
-                group["lr"] = lr
+            for group, values in zip(self.inner.param_groups, saved):
+                group.update(values)
             for opt_param in self._opt_params:
                 opt_param.grad = None
         for param_state in self.inner.state.values():
@@ -297,6 +308,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 param_state["step"].zero_()
             elif "step" in param_state:
                 param_state["step"] = 0
+        self._placeholder_state = True
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -329,6 +341,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             g["params"] = [index_of[fqn] for fqn in group["params"]]
             groups.append(g)
         self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
+        self._placeholder_state = False
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         for unit, masters in self._unit_masters:

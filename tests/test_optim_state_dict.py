@@ -1,0 +1,123 @@
+"""AMSPOptimizer.state_dict() before the first step (what DCP asks for when a job
+resumes): it offers zero moments at step 0, leaves training exactly as it was when
+nothing is loaded into it, and a fresh optimizer that goes the DCP way (state_dict(),
+fill it in place, load_state_dict()) continues a run exactly. 2 gloo ranks, plan
+p1-g1-os2; Adam with L2 weight decay and SGD with dampened momentum, whose first step
+differs from later ones, so a placeholder that leaked into training would show."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from amsp_dtensor.testing.multiproc import run_on_ranks
+from amsp_dtensor.testing.scenarios import global_batches, local_micro_batch, make_model
+from amsp_dtensor.testing.tiny_llama import loss_fn
+
+pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
+                                reason="multi-process")
+
+OPTIMIZERS = {
+    "adam_l2": (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1}),
+    "sgd_dampened": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5}),
+}
+
+
+def _build(rank, world, name):
+    import amsp_dtensor as amsp
+
+    sharding = amsp.ShardingPlan(1, 1, 2)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=1, device_type="cpu")
+    model = make_model(torch.float32)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    cls, kwargs = OPTIMIZERS[name]
+    return model, amsp.AMSPOptimizer(model, cls, **kwargs)
+
+
+def _train(model, optim, rank, world, steps):
+    losses = []
+    for step in steps:
+        batch = local_micro_batch(global_batches(step, world, 1, model.cfg), rank, world, 0)
+        loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    optim.finish_param_sync()
+    return losses
+
+
+def _local_copy(state_dict):
+    """The tensors of a state_dict as plain local copies (what a checkpoint holds)."""
+    out = {}
+    for fqn, entry in state_dict["state"].items():
+        out[fqn] = {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+                    if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+    return out
+
+
+def _cases(rank, world):
+    results = {}
+    for name in OPTIMIZERS:
+        plain_model, plain = _build(rank, world, name)
+        plain_losses = _train(plain_model, plain, rank, world, range(2))
+        saved = _local_copy(plain.state_dict())  # after step 2, as a checkpoint would
+        weights = {k: v.clone() for k, v in plain_model.state_dict().items()}
+        plain_losses += _train(plain_model, plain, rank, world, range(2, 4))
+
+        # state_dict() before the first step: placeholder, then training as if untouched
+        model, optim = _build(rank, world, name)
+        masters_before = [m.to_local().clone() for m in optim._masters]
+        early = optim.state_dict()
+        moments_zero = all(
+            float(v.to_local().abs().max()) == 0.0
+            for entry in early["state"].values() for k, v in entry.items()
+            if k != "master" and isinstance(v, torch.Tensor) and v.dim() > 0)
+        steps_zero = all(float(entry["step"]) == 0.0 for entry in early["state"].values()
+                         if "step" in entry)
+        masters_same = all(torch.equal(a, m.to_local())
+                           for a, m in zip(masters_before, optim._masters))
+        touched_losses = _train(model, optim, rank, world, range(4))
+
+        # resume the DCP way: a fresh optimizer's state_dict() filled in place, then loaded
+        model, optim = _build(rank, world, name)
+        model.load_state_dict(weights)
+        target = optim.state_dict()
+        for fqn, entry in target["state"].items():
+            for k, v in entry.items():
+                if isinstance(v, torch.Tensor):
+                    (v.to_local() if hasattr(v, "to_local") else v).copy_(saved[fqn][k])
+        optim.load_state_dict(target)
+        resumed_losses = _train(model, optim, rank, world, range(2, 4))
+        results[name] = {
+            "plain": plain_losses, "touched": touched_losses, "resumed": resumed_losses,
+            "has_moments": all(len(entry) > 1 for entry in early["state"].values()),
+            "moments_zero": moments_zero, "steps_zero": steps_zero,
+            "masters_same": masters_same,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_cases, 2, 1)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_dict_before_first_step_is_zero_and_changes_nothing(results, name):
+    for rank_results in results:
+        r = rank_results[name]
+        assert r["has_moments"] and r["moments_zero"] and r["steps_zero"] and r["masters_same"]
+        assert r["touched"] == r["plain"]  # exactly: the placeholder was dropped
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fresh_optimizer_loaded_the_dcp_way_continues_the_run(results, name):
+    for rank_results in results:
+        r = rank_results[name]
+        assert r["resumed"] == r["plain"][2:]
+        assert r["plain"][3] != r["plain"][2]
