@@ -106,8 +106,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self._grads_ready = False
         # True while the inner state is the zero placeholder made for a checkpoint load
-        # (_materialize_state) and nothing was loaded into it: the first step drops it.
+        # (_materialize_state) and nothing real was loaded into it: the first step drops it.
         self._placeholder_state = False
+        self._has_stepped = False
 
     # ---- construction -------------------------------------------------------------
     def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
@@ -211,6 +212,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self.inner.state.clear()
             self._placeholder_state = False
         self.inner.step()
+        self._has_stepped = True
         for opt_param in self._opt_params:
             opt_param.grad = None  # the fp32 copies are step-time scratch; G stays until zero_grad
         self._grads_ready = False
@@ -273,7 +275,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
             g = dict(group)
             g["params"] = [self._fqns[i] for i in group["params"]]
             groups.append(g)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups,
+                "state_is_placeholder": self._placeholder_state}
 
     @torch.no_grad()
     def _materialize_state(self) -> None:
@@ -285,10 +288,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
         torch.distributed.checkpoint.state_dict._init_optim_state does, step once with
         zero grads, lr 0 (params unchanged) and, unlike it, weight_decay 0 (Adam's L2
         term would put wd*param into the moments); step counters go back to 0. Unless a
-        checkpoint is loaded into it, this placeholder is dropped at the first step.
+        checkpoint is loaded into it, this placeholder is dropped at the first step. Not
+        every optimizer's placeholder equals its fresh state (NAdam's mu_product, Rprop's
+        step_size), so state_dict() says "state_is_placeholder" and a checkpoint saved
+        before the first step loads as a placeholder again.
         """
-        if self.inner.state:
+        if self._has_stepped or self._placeholder_state or self.inner.state:
             return
+        # grads clip_grad_norm_ may already have prepared for the coming step stay put
+        prepared = [opt_param.grad for opt_param in self._opt_params]
         for opt_param in self._opt_params:
             opt_param.grad = torch.zeros_like(opt_param)
         saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group}
@@ -301,8 +309,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         finally:
             for group, values in zip(self.inner.param_groups, saved):
                 group.update(values)
-            for opt_param in self._opt_params:
-                opt_param.grad = None
+            for opt_param, grad in zip(self._opt_params, prepared):
+                opt_param.grad = grad
         for param_state in self.inner.state.values():
             if isinstance(param_state.get("step"), torch.Tensor):
                 param_state["step"].zero_()
@@ -314,8 +322,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict from ``state_dict()``, possibly saved under another plan
         (values are resharded to this plan's OS layout)."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
-            raise ValueError("expected a dict with keys 'state' and 'param_groups' from AMSPOptimizer.state_dict()")
+        if not isinstance(state_dict, dict) or not (
+            {"state", "param_groups"} <= set(state_dict)
+            <= {"state", "param_groups", "state_is_placeholder"}
+        ):
+            raise ValueError("expected a dict with keys 'state' and 'param_groups' (and "
+                             "optionally 'state_is_placeholder') from AMSPOptimizer.state_dict()")
         index_of = {fqn: i for i, fqn in enumerate(self._fqns)}
         unknown = [fqn for fqn in state_dict["state"] if fqn not in index_of]
         if unknown:
@@ -341,7 +353,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             g["params"] = [index_of[fqn] for fqn in group["params"]]
             groups.append(g)
         self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
-        self._placeholder_state = False
+        self._placeholder_state = bool(state_dict.get("state_is_placeholder", False))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         for unit, masters in self._unit_masters:

@@ -1,9 +1,11 @@
 """AMSPOptimizer.state_dict() before the first step (what DCP asks for when a job
 resumes): it offers zero moments at step 0, leaves training exactly as it was when
-nothing is loaded into it, and a fresh optimizer that goes the DCP way (state_dict(),
-fill it in place, load_state_dict()) continues a run exactly. 2 gloo ranks, plan
-p1-g1-os2; Adam with L2 weight decay and SGD with dampened momentum, whose first step
-differs from later ones, so a placeholder that leaked into training would show."""
+nothing is loaded into it (also between clip_grad_norm_ and step), a checkpoint saved
+that early loads as a placeholder again, and a fresh optimizer that goes the DCP way
+(state_dict(), fill it in place, load_state_dict()) continues a run exactly. 2 gloo
+ranks, plan p1-g1-os2; Adam with L2 weight decay, SGD with dampened momentum and NAdam,
+whose placeholder state differs from a fresh one, so a placeholder that leaked into
+training would show."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
 OPTIMIZERS = {
     "adam_l2": (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1}),
     "sgd_dampened": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5}),
+    "nadam": (torch.optim.NAdam, {"lr": 1e-3}),
 }
+HUGE_NORM = 1e6  # clip_grad_norm_ runs (and prepares the step's grads) but never scales
 
 
 def _build(rank, world, name):
@@ -38,12 +42,15 @@ def _build(rank, world, name):
     return model, amsp.AMSPOptimizer(model, cls, **kwargs)
 
 
-def _train(model, optim, rank, world, steps):
+def _train(model, optim, rank, world, steps, before_step=None):
     losses = []
     for step in steps:
         batch = local_micro_batch(global_batches(step, world, 1, model.cfg), rank, world, 0)
         loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
+        optim.clip_grad_norm_(HUGE_NORM)
+        if before_step is not None:
+            before_step(step)
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
@@ -60,6 +67,18 @@ def _local_copy(state_dict):
     return out
 
 
+def _fill_and_load(optim, saved, saved_is_placeholder):
+    """What DCP does on load: ask for a state_dict, fill its tensors in place and replace
+    its other values from the checkpoint, hand it to load_state_dict."""
+    target = optim.state_dict()
+    for fqn, entry in target["state"].items():
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                (v.to_local() if hasattr(v, "to_local") else v).copy_(saved[fqn][k])
+    target["state_is_placeholder"] = saved_is_placeholder
+    optim.load_state_dict(target)
+
+
 def _cases(rank, world):
     results = {}
     for name in OPTIMIZERS:
@@ -73,6 +92,7 @@ def _cases(rank, world):
         model, optim = _build(rank, world, name)
         masters_before = [m.to_local().clone() for m in optim._masters]
         early = optim.state_dict()
+        early_copy = _local_copy(early)  # state_dict values share storage with the live state
         moments_zero = all(
             float(v.to_local().abs().max()) == 0.0
             for entry in early["state"].values() for k, v in entry.items()
@@ -83,18 +103,25 @@ def _cases(rank, world):
                            for a, m in zip(masters_before, optim._masters))
         touched_losses = _train(model, optim, rank, world, range(4))
 
+        # state_dict() between clip_grad_norm_ and the first step: the prepared grads stay
+        model, optim = _build(rank, world, name)
+        between_losses = _train(model, optim, rank, world, range(4),
+                                before_step=lambda step: step == 0 and optim.state_dict())
+
+        # a checkpoint saved before the first step, loaded into a fresh optimizer
+        model, optim = _build(rank, world, name)
+        _fill_and_load(optim, early_copy, early["state_is_placeholder"])
+        early_ckpt_losses = _train(model, optim, rank, world, range(4))
+
         # resume the DCP way: a fresh optimizer's state_dict() filled in place, then loaded
         model, optim = _build(rank, world, name)
         model.load_state_dict(weights)
-        target = optim.state_dict()
-        for fqn, entry in target["state"].items():
-            for k, v in entry.items():
-                if isinstance(v, torch.Tensor):
-                    (v.to_local() if hasattr(v, "to_local") else v).copy_(saved[fqn][k])
-        optim.load_state_dict(target)
+        _fill_and_load(optim, saved, plain.state_dict()["state_is_placeholder"])
         resumed_losses = _train(model, optim, rank, world, range(2, 4))
         results[name] = {
             "plain": plain_losses, "touched": touched_losses, "resumed": resumed_losses,
+            "between": between_losses, "early_ckpt": early_ckpt_losses,
+            "early_flag": early["state_is_placeholder"],
             "has_moments": all(len(entry) > 1 for entry in early["state"].values()),
             "moments_zero": moments_zero, "steps_zero": steps_zero,
             "masters_same": masters_same,
@@ -113,6 +140,8 @@ def test_state_dict_before_first_step_is_zero_and_changes_nothing(results, name)
         r = rank_results[name]
         assert r["has_moments"] and r["moments_zero"] and r["steps_zero"] and r["masters_same"]
         assert r["touched"] == r["plain"]  # exactly: the placeholder was dropped
+        assert r["between"] == r["plain"]  # the grads clip had prepared were stepped
+        assert r["early_flag"] is True and r["early_ckpt"] == r["plain"]
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
