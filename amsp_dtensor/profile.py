@@ -16,7 +16,9 @@ are already resident, at least --repeats samples and up to ~--target-ms of them.
 the engine allocate a new output per op, but inside a running step the allocator hands
 back resident memory (glibc's heap on CPU, the caching allocator on GPU); a never-touched
 buffer would charge first-touch page faults to the network (gloo here: all-gather of
-3.4 MB over 2 ranks 8.4 ms into fresh pages, 5.2 ms into resident ones). The smallest
+3.4 MB over 2 ranks 8.4 ms into fresh pages, 5.2 ms into resident ones). On CPU this
+holds below glibc's 32 MiB mmap ceiling: larger outputs are fresh pages every time, and
+the table under-predicts them. The smallest
 size is one fp32 (clip_grad_norm_'s scalar all-reduce; gloo's time is not monotone in
 size below ~1 MB, so the table must hold the sizes the engine issues). A pass keeps the
 MEAN of the slowest rank's times (a step's comm time is a sum over many calls, so it

@@ -366,14 +366,7 @@ def summarize(paths, table_path=None) -> list[dict]:
         # A step's comm time: sum over its collectives of the slowest rank's time (every
         # call starts after a world barrier, so a call lasts until its slowest member is
         # done; the profiler's samples are the same world max of one op).
-        if "call_seconds_by_step" in ranks[0]:
-            steps = [list(zip(*(x["call_seconds_by_step"][i] for x in ranks)))
-                     for i in range(len(ranks[0]["call_seconds_by_step"]))]
-        elif "last_step_calls" in ranks[0]:  # older runs kept the last step's calls only
-            steps = [list(zip(*([c[3] for c in x["last_step_calls"]] for x in ranks)))]
-        else:  # oldest runs: per-rank totals only
-            steps = [[(max(x["measured_comm_seconds"][i] for x in ranks),)]
-                     for i in range(len(ranks[0]["measured_comm_seconds"]))]
+        steps = _timed_calls(path, ranks)
         per_step = [sum(max(call) for call in step) for step in steps]
         measured_comm = statistics.median(per_step)
         peak = max(x["measured_peak_bytes"] for x in ranks)
@@ -393,6 +386,21 @@ def summarize(paths, table_path=None) -> list[dict]:
     return rows
 
 
+def _timed_calls(path, ranks) -> list[list[tuple[float, ...]]]:
+    """Per timed step, per call: the ranks' seconds. Every rank must have timed the same
+    calls in every step (the engine's schedule is fixed), or the run is not comparable."""
+    if not all("call_seconds_by_step" in x for x in ranks) or not all(
+            isinstance(call[1], list) for call in ranks[0]["last_step_calls"]):
+        raise ValueError(f"{path}: no per-call times (written by an older validate); rerun it")
+    n_calls = len(ranks[0]["last_step_calls"])
+    shapes = {tuple(len(step) for step in x["call_seconds_by_step"]) for x in ranks}
+    if len(shapes) != 1 or any(n != n_calls for n in next(iter(shapes))):
+        raise ValueError(f"{path}: ranks or steps timed different numbers of collectives "
+                         f"({sorted(shapes)}; last step of rank 0: {n_calls})")
+    return [list(zip(*(x["call_seconds_by_step"][i] for x in ranks)))
+            for i in range(len(ranks[0]["call_seconds_by_step"]))]
+
+
 def call_breakdown(path, table_path) -> list[dict]:
     """Per kind of call (op, group size, stride, nbytes) of one run: the table's time
     against the measured time (slowest rank, mean over calls and timed steps)."""
@@ -406,14 +414,13 @@ def call_breakdown(path, table_path) -> list[dict]:
     with open(path) as f:
         r = json.load(f)
     ranks = r["ranks"]
-    calls = ranks[0]["last_step_calls"]
+    steps = _timed_calls(path, ranks)
     by_kind = collections.defaultdict(list)
-    for i, (op, group_ranks, nbytes, _) in enumerate(calls):
+    for i, (op, group_ranks, nbytes, _) in enumerate(ranks[0]["last_step_calls"]):
         stride = group_ranks[1] - group_ranks[0] if len(group_ranks) > 1 else 1
         kind = (op, len(group_ranks), stride, nbytes)
-        for step in range(len(ranks[0]["call_seconds_by_step"])):
-            by_kind[kind].append(max(x["call_seconds_by_step"][step][i] for x in ranks))
-    n_steps = len(ranks[0]["call_seconds_by_step"])
+        by_kind[kind] += [max(step[i]) for step in steps]
+    n_steps = len(steps)
     rows = []
     for (op, size, stride, nbytes), seconds in by_kind.items():
         shape = group_shape(size, stride, r["world_size"], r["ranks_per_node"])
@@ -463,14 +470,17 @@ def summarize_main(argv) -> int:
     only.add_argument("--comm", action="store_true", help="communication columns only")
     ap.add_argument("runs", nargs="+", help="JSON files written by validate --out")
     args = ap.parse_args(argv)
-    rows = summarize(args.runs, args.table)
-    comm = not args.memory
-    if comm and any(r["predicted_comm"] is None for r in rows):
-        ap.error("a run has no time prediction: pass --table, or --memory")
-    print_summary(rows, memory=not args.comm, comm=comm)
-    if comm and args.table:
-        for path in args.runs:
-            print_call_breakdown(path, args.table)
+    try:
+        rows = summarize(args.runs, args.table)
+        comm = not args.memory
+        if comm and any(r["predicted_comm"] is None for r in rows):
+            ap.error("a run has no time prediction: pass --table, or --memory")
+        print_summary(rows, memory=not args.comm, comm=comm)
+        if comm and args.table:
+            for path in args.runs:
+                print_call_breakdown(path, args.table)
+    except (OSError, ValueError, KeyError) as err:
+        ap.error(str(err) if not isinstance(err, KeyError) else f"not a validate result: {err}")
     return 0
 
 
