@@ -55,7 +55,6 @@ class Collectives:
 
     def __init__(self, info: MeshInfo):
         self.info = info
-        self._inter = {d: info.crosses_nodes(d) for d in ("rep", "p", "g", "os", "shard")}
 
     def _event_args(self, op: str, dim: str, nbytes: int, phase: str) -> dict | None:
         if not active_recorders():
@@ -65,7 +64,7 @@ class Collectives:
             dim=dim,
             group_size=self.info.size(dim),
             nbytes=nbytes,
-            inter_node=self._inter[dim],
+            inter_node=self.info.crosses_nodes(dim),
             phase=phase,
         )
 
@@ -76,14 +75,12 @@ class Collectives:
             return None
         if group is self.info.group("p"):
             return self._event_args(op, "p", nbytes, phase)
-        ranks = dist.get_process_group_ranks(group)
-        per_node = self.info.ranks_per_node
         return dict(
             op=op,
             dim="p_hpz",
-            group_size=len(ranks),
+            group_size=dist.get_world_size(group),
             nbytes=nbytes,
-            inter_node=len({r // per_node for r in ranks}) > 1,
+            inter_node=self.info.group_crosses_nodes(group),
             phase=phase,
         )
 

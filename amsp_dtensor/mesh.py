@@ -57,10 +57,15 @@ class MeshInfo:
         return self.plan.mesh_shape[dim]
 
     def crosses_nodes(self, dim: str) -> bool:
-        if dim not in self._crosses_nodes:
-            ranks = dist.get_process_group_ranks(self.group(dim))
-            self._crosses_nodes[dim] = len({r // self.ranks_per_node for r in ranks}) > 1
-        return self._crosses_nodes[dim]
+        return self.group_crosses_nodes(self.group(dim))
+
+    def group_crosses_nodes(self, group) -> bool:
+        """True when the group's ranks lie on more than one node (memoised per group:
+        also asked for FSDP's hpZ group, which is no mesh dim)."""
+        if group not in self._crosses_nodes:
+            ranks = dist.get_process_group_ranks(group)
+            self._crosses_nodes[group] = len({r // self.ranks_per_node for r in ranks}) > 1
+        return self._crosses_nodes[group]
 
     @functools.cached_property
     def coordinate(self) -> dict[str, int]:
