@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     # processes, a noisy VM neighbour) then spoils one round of a few points, not the whole
     # curve of one group; a training step is judged the same way (validate.py: median
     # over steps of each step's sum).
-    means: dict[tuple, list[float]] = {}
+    # (size, stride, op) -> {bytes: [each round's mean seconds]}
+    means: dict[tuple, dict[int, list[float]]] = {}
     for _round in range(args.rounds):
         for size, stride, my_group, src in shapes:
             for op in ops:
@@ -202,14 +203,13 @@ def main(argv=None) -> int:
                 for nbytes in sorted({_numel(op, b, size, elem) * elem for b in sizes}):
                     real, seconds = measure(op, my_group, src, nbytes, size, dtype, device,
                                             args.target_ms / 1e3, args.repeats, sync)
-                    means.setdefault((size, stride, op, real), []).append(seconds)
+                    means.setdefault((size, stride, op), {}).setdefault(real, []).append(seconds)
     entries = []
     for size, stride, _, _ in shapes:
         shape = group_shape(size, stride, world, R)
         for op in ops:
-            points = sorted([real, statistics.median(v)]
-                            for (sz, st, o, real), v in means.items()
-                            if (sz, st, o) == (size, stride, op))
+            points = sorted([real, statistics.median(rounds)]
+                            for real, rounds in means[(size, stride, op)].items())
             entries.append({"op": op, "group_size": size, "stride": stride,
                             "group_ranks_per_node": shape.ranks_per_node,
                             "group_nodes": shape.nodes, "inter_node": shape.inter_node,

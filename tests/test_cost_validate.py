@@ -67,7 +67,8 @@ def test_every_timed_call_is_a_predicted_event(run):
 
 def test_summary_and_breakdown_agree(run):
     (row,) = summarize([run / "val.json"], run / "bw.json")
-    assert row["plan"] == "p2-g2-os2" and row["calls"] == row_calls(run)
+    r = json.loads((run / "val.json").read_text())
+    assert row["plan"] == "p2-g2-os2" and row["calls"] == r["predicted_calls"]
     assert math.isfinite(row["predicted_comm"]) and row["predicted_comm"] > 0
     breakdown = call_breakdown(run / "val.json", run / "bw.json")
     # the step's prediction is the sum over kinds of call of count * table time
@@ -75,17 +76,12 @@ def test_summary_and_breakdown_agree(run):
     assert total == pytest.approx(row["predicted_comm"], rel=1e-9)
     assert sum(c["calls_per_step"] for c in breakdown) == row["calls"]
     # every step's measured comm time is the sum of its calls' slowest-rank times
-    r = json.loads((run / "val.json").read_text())
     ranks = r["ranks"]
     per_step = [sum(max(x["call_seconds_by_step"][s][i] for x in ranks)
                     for i in range(len(ranks[0]["call_seconds_by_step"][s])))
                 for s in range(2)]
     assert row["comm_per_step"] == pytest.approx(per_step)
     assert row["measured_peak"] > 0 and row["predicted_peak"] > 0
-
-
-def row_calls(run) -> int:
-    return json.loads((run / "val.json").read_text())["predicted_calls"]
 
 
 def test_summarize_cli_needs_a_table_or_memory(run, tmp_path):

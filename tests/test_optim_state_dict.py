@@ -84,7 +84,8 @@ def _cases(rank, world):
     for name in OPTIMIZERS:
         plain_model, plain = _build(rank, world, name)
         plain_losses = _train(plain_model, plain, rank, world, range(2))
-        saved = _local_copy(plain.state_dict())  # after step 2, as a checkpoint would
+        saved_dict = plain.state_dict()  # after step 2, as a checkpoint would
+        saved, saved_flag = _local_copy(saved_dict), saved_dict["state_is_placeholder"]
         weights = {k: v.clone() for k, v in plain_model.state_dict().items()}
         plain_losses += _train(plain_model, plain, rank, world, range(2, 4))
 
@@ -116,7 +117,7 @@ def _cases(rank, world):
         # resume the DCP way: a fresh optimizer's state_dict() filled in place, then loaded
         model, optim = _build(rank, world, name)
         model.load_state_dict(weights)
-        _fill_and_load(optim, saved, plain.state_dict()["state_is_placeholder"])
+        _fill_and_load(optim, saved, saved_flag)
         resumed_losses = _train(model, optim, rank, world, range(2, 4))
         results[name] = {
             "plain": plain_losses, "touched": touched_losses, "resumed": resumed_losses,

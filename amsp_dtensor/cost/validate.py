@@ -27,8 +27,8 @@ regime as the profiler: a group's collective timed from a common start, nobody c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import resource
 import sys
 import time
@@ -50,18 +50,13 @@ class CommTimer:
     def __init__(self):
         self.active = False
         self.barrier_after = True
-        self.seconds = 0.0
-        self.calls = 0
-        self.log = []
-        self._orig = {}
+        self.log = []  # (op, group ranks, nbytes, seconds) of each timed call
 
     def install(self):
         import torch.distributed as dist
 
         for name in self.NAMES:
-            orig = getattr(dist, name)
-            self._orig[name] = orig
-            setattr(dist, name, self._wrap(orig))
+            setattr(dist, name, self._wrap(getattr(dist, name)))
 
     def _wrap(self, orig):
         import torch.distributed as dist
@@ -84,8 +79,6 @@ class CommTimer:
             # The profiler's samples end the same way (the all-reduce of the sample).
             if timer.barrier_after:
                 dist.barrier()
-            timer.seconds += dt
-            timer.calls += 1
             timer.log.append(_call_record(orig, args, kwargs, dt))
             return work if async_op else None
 
@@ -251,16 +244,16 @@ def main(argv=None) -> int:
 
     M, b, s = args.micro_batches, args.micro_batch, args.seq_len
     g = torch.Generator().manual_seed(rank)
-    step_comm, step_wall, losses, calls_by_step = [], [], [], []
+    step_wall, losses, calls_by_step = [], [], []
     for step in range(args.steps):
         optim.finish_param_sync()
-        timer.seconds, timer.calls, timer.log = 0.0, 0, []
+        timer.log = []
         timer.active = step > 0
         t0 = time.perf_counter()
         total = 0.0
         for micro in range(M):
             tokens = torch.randint(0, margs.vocab_size, (b, s + 1), generator=g)
-            ctx = amsp.no_sync(model) if micro < M - 1 else _null()
+            ctx = amsp.no_sync(model) if micro < M - 1 else contextlib.nullcontext()
             with ctx:
                 pred = model(tokens[:, :-1])
                 loss = cross_entropy_loss(pred, tokens[:, 1:]) / (b * s * M * world)
@@ -276,7 +269,6 @@ def main(argv=None) -> int:
         rss_trace.setdefault(f"step{step}_optim", _maxrss() - rss_baseline)
         step_wall.append(time.perf_counter() - t0)
         if step > 0:
-            step_comm.append((timer.seconds, timer.calls))
             calls_by_step.append([c[3] for c in timer.log])
         losses.append(total)
     timer.active = False
@@ -299,8 +291,8 @@ def main(argv=None) -> int:
         "rss_baseline": rss_baseline,
         "rss_peak": peak,
         "measured_peak_bytes": peak - rss_baseline,
-        "measured_comm_seconds": [c for c, _ in step_comm],
-        "measured_comm_calls": [n for _, n in step_comm],
+        "measured_comm_seconds": [sum(calls) for calls in calls_by_step],
+        "measured_comm_calls": [len(calls) for calls in calls_by_step],
         "step_wall_seconds": step_wall,
         "losses": losses,
         "rss_trace": rss_trace,
@@ -325,16 +317,6 @@ def main(argv=None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 
 
 def summarize(paths, table_path=None) -> list[dict]:
