@@ -24,12 +24,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
-import types
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -42,29 +39,12 @@ SYSTEM_LABELS = {
 }
 
 
-def _stub_triton_for_torchtitan() -> None:
-    """torchtitan 0.2.2's package import pulls a MoE kernels module that imports triton
-    (ModuleNotFoundError on CPU); the llama3 dense model never calls it."""
-    name = "torchtitan.models.moe.kernels"
-    if name in sys.modules:
-        return
-    try:
-        import triton  # noqa: F401
-        return
-    except ImportError:
-        pass
-    stub = types.ModuleType(name)
-
-    def _needs_triton(*_a, **_k):
-        raise RuntimeError("torchtitan MoE kernels need triton; not available on CPU")
-
-    stub.generate_permute_indices = _needs_triton
-    stub.fill_indices_wrapper = _needs_triton
-    sys.modules[name] = stub
-
-
 def model_args(flavor: str, seq_len: int, **overrides):
-    _stub_triton_for_torchtitan()
+    # torchtitan's import needs triton; the project's CPU shims stub it (and patch only
+    # torchtitan internals the benchmark does not use)
+    from amsp_dtensor.titan import cpu_compat
+
+    cpu_compat.apply()
     from torchtitan.models.llama3 import llama3_args
 
     return dataclasses.replace(llama3_args[flavor], max_seq_len=seq_len, **overrides)
