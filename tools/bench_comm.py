@@ -20,17 +20,13 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-# name -> (op label, index of the buffer argument, keyword of the buffer)
-_WRAPPED = {
-    "all_gather_single": ("all_gather", 0, "output_tensor"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "broadcast": ("broadcast", 0, "tensor"),
-}
+from amsp_dtensor.observe.dist_calls import describe_call
+
+# the entry points every other form forwards to (see the module docstring)
+_WRAPPED = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -52,24 +48,13 @@ class CommCounter:
         self.events: list[Collective] = []
         self.active = False
         self._lock = threading.Lock()
-        self._groups: dict[int, tuple[int, bool]] = {}
 
-    def _group(self, group) -> tuple[int, bool]:
-        key = id(group)
-        if key not in self._groups:
-            pg = group if group is not None else c10d._get_default_group()
-            ranks = dist.get_process_group_ranks(pg)
-            nodes = {r // self.ranks_per_node for r in ranks}
-            self._groups[key] = (len(ranks), len(nodes) > 1)
-        return self._groups[key]
-
-    def add(self, op: str, tensor: torch.Tensor, group) -> None:
-        size, inter = self._group(group)
-        if size <= 1:
+    def add(self, op: str, ranks: tuple[int, ...], nbytes: int) -> None:
+        if len(ranks) <= 1:
             return
-        ev = Collective(op, size, tensor.numel() * tensor.element_size(), inter)
+        inter = len({r // self.ranks_per_node for r in ranks}) > 1
         with self._lock:
-            self.events.append(ev)
+            self.events.append(Collective(op, len(ranks), nbytes, inter))
 
     def bytes_by_locality(self) -> dict[str, int]:
         out = {"intra": 0, "inter": 0}
@@ -99,13 +84,12 @@ def install(ranks_per_node: int) -> CommCounter:
     if _installed is not None:
         return _installed
     counter = CommCounter(ranks_per_node)
-    for name, (op, pos, kw) in _WRAPPED.items():
+    for name in _WRAPPED:
         original = getattr(c10d, name)
 
-        def wrapper(*args, __orig=original, __op=op, __pos=pos, __kw=kw, **kwargs):
+        def wrapper(*args, __orig=original, **kwargs):
             if counter.active:
-                tensor = kwargs[__kw] if __kw in kwargs else args[__pos]
-                counter.add(__op, tensor, kwargs.get("group", _positional_group(__op, args)))
+                counter.add(*describe_call(__orig, args, kwargs))
             return __orig(*args, **kwargs)
 
         wrapper.__wrapped__ = original
@@ -113,10 +97,3 @@ def install(ranks_per_node: int) -> CommCounter:
         setattr(dist, name, wrapper)
     _installed = counter
     return counter
-
-
-def _positional_group(op: str, args: tuple):
-    # signatures: all_gather_single(out, in, group), reduce_scatter_single(out, in, op, group),
-    # all_reduce(tensor, op, group), broadcast(tensor, src, group)
-    index = {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 2, "broadcast": 2}[op]
-    return args[index] if len(args) > index else None

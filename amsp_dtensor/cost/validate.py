@@ -33,6 +33,8 @@ import resource
 import sys
 import time
 
+from amsp_dtensor.observe.dist_calls import describe_call
+
 
 def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -79,34 +81,11 @@ class CommTimer:
             # The profiler's samples end the same way (the all-reduce of the sample).
             if timer.barrier_after:
                 dist.barrier()
-            timer.log.append(_call_record(orig, args, kwargs, dt))
+            # (op, group ranks, nbytes in the recorder's convention, seconds)
+            timer.log.append((*describe_call(orig, args, kwargs), dt))
             return work if async_op else None
 
         return timed
-
-
-_OP_OF = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-          "all_reduce": "all_reduce", "broadcast": "broadcast"}
-
-
-def _call_record(orig, args, kwargs, seconds: float) -> tuple:
-    """(op, group ranks, nbytes, seconds), nbytes in the recorder's convention (AG output,
-    RS input, AR/BC tensor), so each call can be costed from the table on its own."""
-    import inspect
-
-    import torch.distributed as dist
-
-    bound = inspect.signature(orig).bind(*args, **kwargs).arguments
-    op = _OP_OF[orig.__name__]
-    # parameter names differ between the functions; the first tensor parameter is the
-    # output (AG, RS) or the tensor (AR, BC), the second the input
-    tensors = [v for v in bound.values() if hasattr(v, "element_size")]
-    t = tensors[1] if op == "reduce_scatter" else tensors[0]
-    group = bound.get("group")
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-        range(dist.get_world_size()))
-    return op, ranks, t.numel() * t.element_size(), seconds
 
 
 def _probe_inside(dist, mesh=None) -> dict:
