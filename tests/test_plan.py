@@ -84,3 +84,12 @@ def test_nearest_valid_plan_is_itself_valid():
     nearest = msg.split("nearest valid plan: ")[1]
     vals = dict(kv.split("=") for kv in nearest.split(", "))
     ShardingPlan(int(vals["param"]), int(vals["grad"]), int(vals["optim"])).resolve(8, 4)
+
+
+def test_plan_names_round_trip():
+    for plan in enumerate_plans(8, 4):
+        assert ShardingPlan.from_name(plan.name).resolve(8, 4) == plan
+    assert ShardingPlan.from_name(" 2-2-4 ") == ShardingPlan(2, 2, 4)
+    for bad in ("p2-g2", "p2-g2-os4-x", "pa-g2-os4", ""):
+        with pytest.raises(ValueError, match="write it as p<s_p>-g<s_g>-os<s_os>"):
+            ShardingPlan.from_name(bad)

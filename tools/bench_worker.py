@@ -70,20 +70,16 @@ def parse_args(argv=None):
 def parse_plan(name: str, world: int, rpn: int):
     from amsp_dtensor.plan import ShardingPlan
 
-    fields = name.strip().split("-")
     try:
-        s_p, s_g, s_os = (int(f.lstrip("pgos")) for f in fields)
-    except ValueError:
-        raise SystemExit(f"plan {name!r}: write it as p<s_p>-g<s_g>-os<s_os>, e.g. p2-g2-os4")
-    return ShardingPlan(s_p, s_g, s_os).resolve(world, rpn)
+        return ShardingPlan.from_name(name).resolve(world, rpn)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def planner_choice(args, model_args, world, rpn):
-    """(plan, report dict or None, note) from amsp_dtensor.cost.planner.choose_plan."""
-    try:
-        from amsp_dtensor.cost import AlphaBeta, choose_plan
-    except ImportError as e:
-        return parse_plan("p2-g2-os4", world, rpn), None, f"planner unavailable ({e}): p2-g2-os4"
+    """(plan, report dict, note) from amsp_dtensor.cost.planner.choose_plan."""
+    from amsp_dtensor.cost import AlphaBeta, choose_plan
+
     common = dict(
         seq_len=args.seq, micro_batch=args.micro_batch,
         micro_batches=args.micro_batches, world_size=world, ranks_per_node=rpn,
@@ -114,12 +110,10 @@ def planner_choice(args, model_args, world, rpn):
 
 def predicted_bytes(system_key, plan, model, blocks, args, world, rpn):
     """The cost model's bytes per step for a system (same schedule formulas as the planner)."""
-    try:
-        from amsp_dtensor.cost.check import unit_param_shapes_of
-        from amsp_dtensor.cost.comm import bytes_by_locality, event_counter, predicted_events
-        from amsp_dtensor.plan import ShardingPlan
-    except ImportError:
-        return None
+    from amsp_dtensor.cost.check import unit_param_shapes_of
+    from amsp_dtensor.cost.comm import bytes_by_locality, event_counter, predicted_events
+    from amsp_dtensor.plan import ShardingPlan
+
     units, root = unit_param_shapes_of(model, blocks)
     rs = True
     if system_key.startswith("amsp"):

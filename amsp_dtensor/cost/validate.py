@@ -301,7 +301,6 @@ def main(argv=None) -> int:
 def summarize(paths, table_path=None) -> list[dict]:
     """Rows of predicted vs measured from validate JSON files (prediction recomputed with
     `table_path` when given, else the one stored by the run)."""
-    import re
     import statistics
 
     from amsp_dtensor.cost.bandwidth import load_table
@@ -314,8 +313,7 @@ def summarize(paths, table_path=None) -> list[dict]:
     for path in paths:
         with open(path) as f:
             r = json.load(f)
-        s_p, s_g, s_os = (int(x) for x in re.findall(r"\d+", r["plan"]))
-        plan = ShardingPlan(s_p, s_g, s_os).resolve(r["world_size"], r["ranks_per_node"])
+        plan = ShardingPlan.from_name(r["plan"]).resolve(r["world_size"], r["ranks_per_node"])
         m = MODELS["llama3_debugmodel"]
         e = 2 if r.get("dtype") == "bf16" else 4
         predicted = r["predicted_comm_seconds"]

@@ -15,6 +15,7 @@ The paper's rules (PAPER.md, "Dependency rules"), checked by `ShardingPlan.resol
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Union
 
@@ -83,6 +84,14 @@ class ShardingPlan:
     param: Factor = "full"
     grad: Factor = "full"
     optim: Factor = "full"
+
+    @classmethod
+    def from_name(cls, name: str) -> "ShardingPlan":
+        """The plan a ``ResolvedPlan.name`` such as "p2-g2-os4" stands for."""
+        match = re.fullmatch(r"p?(\d+)-g?(\d+)-(?:os)?(\d+)", name.strip())
+        if match is None:
+            raise ValueError(f"plan {name!r}: write it as p<s_p>-g<s_g>-os<s_os>, e.g. p2-g2-os4")
+        return cls(*(int(x) for x in match.groups()))
 
     def resolve(self, world_size: int, ranks_per_node: int) -> "ResolvedPlan":
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
