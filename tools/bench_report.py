@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from amsp_dtensor.cost.comm import ring_factor
 from tools.bench_systems import SYSTEM_LABELS
 
 MB = 1e6
@@ -68,14 +69,6 @@ def summarize(data: dict) -> list[dict]:
     return out
 
 
-def _ring_factor(op: str, n: int) -> float:
-    """Bytes each rank sends per buffer byte in a ring (as amsp_dtensor.cost.comm)."""
-    if n <= 1:
-        return 0.0
-    return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}[op]
-
-
 def _wire_inter(events: list, amsp: bool) -> float:
     """Inter-node bytes one rank sends per step under the ring model: makes an all-reduce
     comparable with a reduce-scatter + all-gather of the same buffer (equal wire bytes)."""
@@ -87,7 +80,7 @@ def _wire_inter(events: list, amsp: bool) -> float:
         else:
             op, n, nbytes, inter, count = ev
         if inter:
-            total += count * nbytes * _ring_factor(op, n)
+            total += count * nbytes * ring_factor(op, n)
     return total
 
 
