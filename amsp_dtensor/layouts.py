@@ -10,8 +10,8 @@ the row arithmetic that packs them into flat collective buffers.
 
 Shard(0) on several mesh dims nests in mesh-dim order (DTensor's rule): a param's rows are
 chunked over "p" first, then each P chunk over "g", then over "os". So a rank's G and OS
-rows always lie inside its own P rows (PAPER.md, dependency rules) and moving between the
-layouts never needs data from another P shard.
+rows always lie inside its own P rows (the nesting rule, docs/design.md) and moving
+between the layouts never needs data from another P shard.
 
 Chunking follows torch.chunk/DTensor: n rows over k ranks gives chunks of ceil(n/k) rows,
 the last ones shorter or empty. Collectives need equal-sized per-rank pieces, so each

@@ -6,7 +6,8 @@ s0 = min(s, R) and an inter-node part s1 = s / s0 (R = ranks per node): the pape
 factor (s0, s1) is fully determined by s once the rules below hold, so the plan stores
 plain integers and derives the 2-D view.
 
-The paper's rules (PAPER.md, "Dependency rules"), checked by `ShardingPlan.resolve`:
+The paper's constraints on the factors (docs/design.md, "Validity rules"), as checked by
+`ShardingPlan.resolve`:
   1. every factor divides the world size;
   2. a factor either divides R (stays in a node) or is a multiple of R (fills whole nodes);
   3. s_p | s_g | s_os (chain order with nesting, so each OS shard lies inside its P shard);
@@ -226,7 +227,8 @@ def nearest_valid(s_p: int, s_g: int, s_os: int, world_size: int, ranks_per_node
     return min(enumerate_plans(world_size, ranks_per_node), key=dist)
 
 
-# Existing systems in the same notation (PAPER.md). "node" for HSDP/MiCS = shard in a node.
+# Existing systems in the same notation (docs/design.md, "The three factors"). "node" for
+# HSDP/MiCS = shard in a node.
 BASELINES: dict[str, ShardingPlan] = {
     "ddp": ShardingPlan("replica", "replica", "replica"),
     "zero1": ShardingPlan("replica", "replica", "full"),

@@ -1,6 +1,6 @@
 """plan = "auto": hand the job's model, batch, world and memory to amsp_dtensor's planner.
 
-The planner is amsp_dtensor.cost.planner.plan (issue 3); this module is the only place
+The planner is amsp_dtensor.cost.planner.plan (docs/planner.md); this module is the only place
 that calls it, with the inputs named as its signature names them (extra inputs are
 dropped, so the two sides can evolve). If the planner is missing from a checkout,
 plan = "auto" stops with a one-line message telling the user to give explicit factors.
@@ -25,7 +25,7 @@ def _gpu_memory_bytes(job_config) -> float | None:
 
 
 def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
-    """What the planner needs, from the torchtitan job config (PAPER.md, 'Planner')."""
+    """What the planner needs, from the torchtitan job config (docs/design.md, 'Planner')."""
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(job_config.model.name)
