@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
 
+from . import compat
 from .mesh import MeshInfo
 from .observe.recorder import CommEvent, Timer, active_recorders, emit
 
@@ -104,10 +101,10 @@ class Collectives:
 def _fsdp_phase() -> str:
     # FSDP all-gathers in forward and (after resharding) again in backward; a graph task
     # is running only during backward.
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if compat.in_backward() else "forward"
 
 
-class RecordingAllGather(DefaultAllGather):
+class RecordingAllGather(compat.fsdp_all_gather_base()):
     """FSDP2's default all-gather plus a CommEvent ("p", or "p_hpz" for hpZ)."""
 
     def __init__(self, collectives: Collectives):
@@ -124,7 +121,7 @@ class RecordingAllGather(DefaultAllGather):
         return work
 
 
-class RecordingReduceScatter(DefaultReduceScatter):
+class RecordingReduceScatter(compat.fsdp_reduce_scatter_base()):
     """FSDP2's default reduce-scatter plus a CommEvent over the "p" dim."""
 
     def __init__(self, collectives: Collectives):

@@ -1,69 +1,73 @@
 """The gradient path: from each unit's P-shard grads to G shards to synced OS-layout grads.
 
-Per micro-batch, per unit, this rank receives its P-shard grads as one flat buffer (FSDP2's
-reduce-scatter output through ``set_all_reduce_hook`` when s_p > 1; our own flatten of the
-unit's param grads when s_p = 1). Then:
+Per micro-batch, per unit, this rank receives its P-shard grads as one flat buffer in the
+gradient dtype (FSDP2's reduce-scatter output through ``set_all_reduce_hook`` when
+s_p > 1; our own flatten of the unit's param grads, cast to the policy's reduce_dtype,
+when s_p = 1). Then, in stages:
 
-- s_g > s_p: reduce-scatter over "g" (s_g/s_p ranks), keep 1/s_g, accumulate;
-- s_g = s_p: accumulate the P-shard grads as they are.
+- "g_reduce" (s_g > s_p): reduce-scatter over "g" (s_g/s_p ranks), keep 1/s_g, accumulate;
+  s_g = s_p: accumulate the P-shard grads as they are (the buffer is taken, not copied).
+- On the last backward of a step (outside ``no_sync``) the accumulated G is reduced across
+  the ranks that hold the same shard: "os_reduce" (reduce-scatter over "os") when
+  s_g = s_p < s_os, then "rep_reduce" (all-reduce over "rep"). The result is the step's G
+  in the OS layout, and the unit is SYNCED (lifecycle.py).
 
-On the last backward of a step (outside ``no_sync``) the accumulated G is reduced across
-the ranks that hold the same shard: reduce-scatter over "os" when s_g = s_p < s_os, then
-all-reduce over "rep". The result is the G of the step in the OS layout.
-
-Collectives are async: each unit's reduce-scatter runs while the next unit's backward
-computes, and is completed when the next unit's grads arrive (or in the end-of-backward
-callback), which is also where the final all-reduces are waited for. After ``backward()``
-returns, every grad is final, as with DDP and FSDP.
+[Note: issue order and completion]
+Collectives are async. A unit's stage is completed, and its next stage issued, when a later
+unit's grads arrive (its reduce-scatter ran while that unit's backward computed) or in the
+end-of-backward callback, which completes everything. The order of issue depends only on
+the order in which units fire, which autograd makes the same on every rank, so every rank
+issues the same sequence on every group. After ``backward()`` returns every grad is final,
+as with DDP and FSDP.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn as nn
 
-from .state import AMSPState, AMSPUnit, find_state
+from . import compat, streams
+from .lifecycle import StepState
+from .state import AMSPState, AMSPUnit, BackwardPass, InFlight, find_state
 
 
-def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor, owned: bool) -> None:
-    """Entry point: this rank's P-shard grads of ``unit`` (p_layout flat buffer).
-
-    ``owned`` says whether the engine may keep ``flat_p`` (False for FSDP's buffer, which
-    FSDP then views into param.grad).
-    """
+def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor) -> None:
+    """Entry point: this rank's P-shard grads of ``unit`` (p_layout flat buffer), which
+    the engine may keep (FSDP2 only makes views of it for ``.grad``, dropped here)."""
     state = unit.state
     if flat_p.numel() != unit.p_layout.numel:
         raise RuntimeError(
-            f"AMSP unit {unit.fqn or type(unit.module).__name__}: got {flat_p.numel()} gradient "
-            f"elements, expected {unit.p_layout.numel}; unused or frozen parameters inside a "
-            "unit are not supported"
+            f"AMSP unit {unit.name}: got {flat_p.numel()} gradient elements, expected "
+            f"{unit.p_layout.numel}; unused or frozen parameters inside a unit are not supported"
         )
-    _ensure_final_callback(state)
-    unit.fired = True
-    # Complete the reduce-scatters issued for earlier units: they overlapped with the
+    backward = _begin_backward(state)
+    backward.fired.add(id(unit))
+    # FSDP2 views the buffers it handed to earlier units as their .grad; the engine has
+    # taken them, so drop the views now rather than at the end of backward.
+    _drop_fsdp_grads(backward)
+    if unit.uses_fsdp:
+        backward.fsdp_grads_to_drop.append(unit)
+    # Complete the first stages issued for earlier units: they overlapped with the
     # backward compute of this one.
-    _drain_reduces(state)
-    sync = state.requires_grad_sync
+    _complete(state, stages=("g_reduce", "os_reduce"))
+    unit.lifecycle.to(StepState.REDUCING if backward.sync else StepState.ACCUMULATING)
     k_g = state.info.size("g")
     if k_g > 1:
         packed = unit.p_layout.pack(flat_p, k_g)
         g_shard = flat_p.new_empty(unit.g_layout.numel)
         pending = state.collectives.reduce_scatter(
-            g_shard, packed.view(-1), "g", phase="sync" if sync else "backward"
+            g_shard, packed.view(-1), "g", phase="sync" if backward.sync else "backward"
         )
-        state.reduce_pending.append(
-            (pending, packed, functools.partial(_accumulate, unit, g_shard, True, sync))
-        )
+        state.in_flight.append(InFlight(unit, "g_reduce", pending, packed))
     else:
-        _accumulate(unit, flat_p, owned, sync)
+        _accumulate(unit, flat_p, backward.sync)
 
 
-def _accumulate(unit: AMSPUnit, g_shard: torch.Tensor, owned: bool, sync: bool) -> None:
+def _accumulate(unit: AMSPUnit, g_shard: torch.Tensor, sync: bool) -> None:
     if unit.grad_accum is None:
-        unit.grad_accum = g_shard if owned else g_shard.clone()
+        unit.grad_accum = g_shard
     else:
         unit.grad_accum += g_shard
     if sync:
@@ -80,9 +84,7 @@ def _issue_sync(unit: AMSPUnit) -> None:
         packed = unit.p_layout.pack(grad, k_os)
         os_shard = grad.new_empty(unit.os_layout.numel)
         pending = state.collectives.reduce_scatter(os_shard, packed.view(-1), "os", phase="sync")
-        state.reduce_pending.append(
-            (pending, packed, functools.partial(_issue_replica_reduce, unit, os_shard))
-        )
+        state.in_flight.append(InFlight(unit, "os_reduce", pending, packed))
     else:
         _issue_replica_reduce(unit, grad)
 
@@ -91,7 +93,7 @@ def _issue_replica_reduce(unit: AMSPUnit, os_shard: torch.Tensor) -> None:
     state = unit.state
     if state.info.size("rep") > 1:
         pending = state.collectives.all_reduce(os_shard, "rep", phase="sync")
-        state.sync_pending.append((pending, functools.partial(_store_synced, unit, os_shard)))
+        state.in_flight.append(InFlight(unit, "rep_reduce", pending, None))
     else:
         _store_synced(unit, os_shard)
 
@@ -102,82 +104,130 @@ def _store_synced(unit: AMSPUnit, os_shard: torch.Tensor) -> None:
         unit.grad_synced = os_shard
     else:
         unit.grad_synced += os_shard
+    unit.lifecycle.to(StepState.SYNCED)
 
 
-def _drain_reduces(state: AMSPState) -> None:
-    while state.reduce_pending:
-        pending, _keepalive_input, continuation = state.reduce_pending.pop(0)
-        pending.wait()
-        continuation()
+_NEXT_STAGE = {
+    "g_reduce": lambda entry, result, sync: _accumulate(entry.unit, result, sync),
+    "os_reduce": lambda entry, result, sync: _issue_replica_reduce(entry.unit, result),
+    "rep_reduce": lambda entry, result, sync: _store_synced(entry.unit, result),
+}
 
 
-def _ensure_final_callback(state: AMSPState) -> None:
-    if not state.callback_queued:
-        state.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(_end_of_backward, state)
-        )
+def _complete(state: AMSPState, stages: tuple[str, ...]) -> None:
+    """Complete, in issue order, the in-flight entries of the given stages (and any they
+    issue in turn), then run each unit's next stage."""
+    sync = state.backward.sync
+    while True:
+        index = next((i for i, e in enumerate(state.in_flight) if e.stage in stages), None)
+        if index is None:
+            return
+        entry = state.in_flight.pop(index)
+        result = entry.pending.wait()
+        _NEXT_STAGE[entry.stage](entry, result, sync)
+
+
+def _begin_backward(state: AMSPState) -> BackwardPass:
+    if state.backward is None:
+        state.backward = BackwardPass(sync=state.requires_grad_sync)
+        compat.queue_end_of_backward_callback(lambda: _end_of_backward(state))
+    return state.backward
+
+
+def _drop_fsdp_grads(backward: BackwardPass) -> None:
+    for unit in backward.fsdp_grads_to_drop:
+        for param in unit.params:
+            param.grad = None
+    backward.fsdp_grads_to_drop.clear()
 
 
 def _end_of_backward(state: AMSPState) -> None:
     """Runs once after each backward (queued after FSDP2's own final callback)."""
-    try:
+    backward = state.backward
+    with streams.on_grad_stream(state.grad_stream):
         for unit in state.units:
-            if not unit.fired:
+            if id(unit) not in backward.fired:
                 _flush_unfired(unit)
-        _drain_reduces(state)
-        while state.sync_pending:
-            pending, continuation = state.sync_pending.pop(0)
-            pending.wait()
-            continuation()
-        for unit in state.units:
-            if unit.uses_fsdp:
-                # FSDP assigned views of its reduce-scatter output; the engine keeps its
-                # own copy, so drop these rather than let FSDP accumulate a second G.
-                for param in unit.params:
-                    param.grad = None
-        if state.requires_grad_sync:
-            state.unsynced_micro_batches = 0
-        else:
-            state.unsynced_micro_batches += 1
-    finally:
-        state.callback_queued = False
-        for unit in state.units:
-            unit.fired = False
-            unit.grads_seen = 0
+        _complete(state, stages=("g_reduce", "os_reduce", "rep_reduce"))
+    _drop_fsdp_grads(backward)
+    kept = [b for u in state.units for b in (u.grad_accum, u.grad_synced) if b is not None]
+    streams.join_compute(state.grad_stream, kept)
+    if backward.sync:
+        state.unsynced_micro_batches = 0
+    else:
+        state.unsynced_micro_batches += 1
+    state.backward = None
 
 
 def _flush_unfired(unit: AMSPUnit) -> None:
     """A unit without grads this backward still joins the collectives, with zeros for
     the missing grads, so every rank issues the same sequence."""
-    dtype = unit.params[0].dtype if unit.params else torch.float32
-    flat = torch.zeros(unit.p_layout.numel, dtype=dtype, device=_device_of(unit))
+    flat = torch.zeros(unit.p_layout.numel, dtype=unit.grad_dtype(), device=unit.device)
     if not unit.uses_fsdp:
         for view, param in zip(unit.p_layout.views(flat), unit.params):
             if param.grad is not None:
                 view.copy_(param.grad.view_as(view))
                 param.grad = None
-    on_unit_grads(unit, flat, owned=True)
+    on_unit_grads(unit, flat)
 
 
-def _device_of(unit: AMSPUnit) -> torch.device:
-    return unit.local_params()[0].device
+def fsdp_grad_hook(unit: AMSPUnit):
+    """FSDP2's all-reduce hook (s_p > 1): runs on the engine's grad stream."""
 
-
-def make_param_grad_hook(unit: AMSPUnit, index: int):
-    """Post-accumulate-grad hook for the s_p = 1 path: flatten the unit's grads once the
-    last of them has arrived (the unit's "bucket" is full)."""
-
-    def hook(param: torch.Tensor) -> None:
-        unit.grads_seen += 1
-        if unit.grads_seen < len(unit.params):
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in unit.params])
-        for p in unit.params:
-            p.grad = None
-        on_unit_grads(unit, flat, owned=True)
+    def hook(reduce_output: torch.Tensor) -> None:
+        if unit.state.grad_stream is not None:
+            reduce_output.record_stream(unit.state.grad_stream)
+        on_unit_grads(unit, reduce_output)
 
     return hook
+
+
+def register_param_hooks(unit: AMSPUnit) -> None:
+    """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path."""
+    hook = _param_grad_hook(unit)
+    for param in unit.params:
+        param.register_post_accumulate_grad_hook(hook)
+
+
+def _param_grad_hook(unit: AMSPUnit):
+    """Post-accumulate-grad hook for the s_p = 1 path: flatten the unit's grads (in the
+    gradient dtype) once the last of them has arrived (the unit's "bucket" is full)."""
+
+    def hook(param: torch.Tensor) -> None:
+        backward = _begin_backward(unit.state)
+        seen = backward.grads_seen.get(id(unit), 0) + 1
+        backward.grads_seen[id(unit)] = seen
+        if seen < len(unit.params):
+            return
+        grads = [p.grad for p in unit.params]
+        with streams.on_grad_stream(unit.state.grad_stream, *grads):
+            flat = torch.cat([g.reshape(-1).to(unit.grad_dtype()) for g in grads])
+            for p in unit.params:
+                p.grad = None
+            on_unit_grads(unit, flat)
+
+    return hook
+
+
+def reset_iteration(state: AMSPState) -> None:
+    """After a forward or backward raised: complete what was issued (every rank issued the
+    same), drop this iteration's gradients, reset FSDP2's per-iteration state, and put
+    every unit back to IDLE. Pending parameter updates are landed, not dropped."""
+    for entry in state.in_flight:
+        entry.pending.wait()
+    state.in_flight.clear()
+    if state.backward is not None:
+        _drop_fsdp_grads(state.backward)
+    state.backward = None
+    state.in_forward = False
+    for unit in state.units:
+        if unit.uses_fsdp:
+            compat.fsdp_reset_iteration(unit.module)
+        for param in unit.params:
+            param.grad = None
+        unit.grad_accum = unit.grad_synced = None
+        unit.lifecycle.to(StepState.IDLE)
+    state.unsynced_micro_batches = 0
 
 
 @contextlib.contextmanager

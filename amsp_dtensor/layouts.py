@@ -142,14 +142,12 @@ def gather_full(dtensor) -> torch.Tensor:
     on 4 ranks). We gather (offset, rows) from the ranks holding one full copy instead.
     """
     import torch.distributed as dist
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from .compat import global_offset
     from .mesh import mesh_info
 
     info = mesh_info(dtensor.device_mesh)
-    _, offset = compute_local_shape_and_global_offset(
-        dtensor.shape, dtensor.device_mesh, dtensor.placements
-    )
+    offset = global_offset(dtensor)
     local = dtensor.to_local().detach().cpu()
     pieces = [None] * info.size("shard")
     dist.all_gather_object(pieces, (offset[0] if len(offset) else 0, local), group=info.group("shard"))

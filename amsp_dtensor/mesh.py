@@ -15,13 +15,13 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import compat
 from .plan import ResolvedPlan, ShardingPlan
 
 MESH_DIMS = ("rep", "p", "g", "os")
@@ -46,7 +46,7 @@ class MeshInfo:
         """Process group of a mesh dim, or "shard" = p x g x os (one full model copy)."""
         if dim not in self._groups:
             if dim == "shard":
-                self._groups[dim] = self.mesh["p", "g", "os"]._flatten("shard").get_group()
+                self._groups[dim] = compat.flatten_mesh(self.mesh["p", "g", "os"], "shard").get_group()
             else:
                 self._groups[dim] = self.mesh[dim].get_group()
         return self._groups[dim]
@@ -91,7 +91,11 @@ class MeshInfo:
         return "g" if self.plan.s_g > self.plan.s_p else "os"
 
 
-_MESH_INFO: "weakref.WeakKeyDictionary[DeviceMesh, MeshInfo]" = weakref.WeakKeyDictionary()
+# [Note: mesh registry] The MeshInfo lives on the DeviceMesh object itself. DeviceMesh
+# compares and hashes by value (device type, ranks, dim names), so a registry keyed by
+# mesh would mix up two init_mesh calls with the same plan and could drop one's info when
+# the other is collected; an attribute is keyed by identity and lives as long as the mesh.
+_INFO_ATTR = "_amsp_mesh_info"
 
 
 def _default_device_type() -> str:
@@ -154,7 +158,7 @@ def init_mesh(
     # first clip_grad_norm_) would hang if one rank got there by another path.
     for dim in (*MESH_DIMS, "shard"):
         info.group(dim)
-    _MESH_INFO[mesh] = info
+    setattr(mesh, _INFO_ATTR, info)
     return mesh
 
 
@@ -162,7 +166,7 @@ def mesh_info(mesh: DeviceMesh, plan: ShardingPlan | ResolvedPlan | None = None)
     """The MeshInfo of a mesh made by init_mesh, checked against ``plan`` if given."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh from amsp.init_mesh, got {type(mesh).__name__}")
-    info = _MESH_INFO.get(mesh)
+    info = getattr(mesh, _INFO_ATTR, None)
     if info is None:
         raise ValueError(
             f"mesh {mesh.mesh_dim_names} was not made by amsp.init_mesh(plan): build it with "

@@ -7,10 +7,16 @@ on the local shards directly: DTensor dispatch made AdamW's step ~10x slower her
 per step at 8 CPU ranks for a 0.1M-param model) and buys nothing when no op mixes
 elements. Any other optimizer class runs on the DTensors, so its reductions (norms,
 factored moments) see the whole tensor. Either way ``state_dict()`` hands out DTensors in
-the OS layout, sharing storage with what the optimizer updates. After ``step()`` the new weights go back to the
-P shards: an all-gather over the OS subgroup (s_os/s_p ranks holding the same P shard),
-issued async and completed by each unit's forward pre-hook, so it overlaps the next
-forward (PAPER.md, "updated-param broadcast overlaps the next step's forward").
+the OS layout, sharing storage with what the optimizer updates.
+
+After ``step()`` the new weights go back to the P shards (param_update.py): an all-gather
+over the OS subgroup (s_os/s_p ranks holding the same P shard). As with any torch
+optimizer, ``step()`` returns with every parameter updated. ``overlap_param_update=True``
+is AMSP's overlap (the paper overlaps this all-gather with the next forward; Megatron-LM's
+``overlap_param_gather`` is the same idea, also opt-in): ``step()`` returns with the
+all-gathers in flight, and each unit's forward pre-hook lands its own; until then the
+parameters read through ``model.parameters()`` are the previous step's. ``state_dict()``
+(the model's or the optimizer's) and ``wait_param_update()`` land them first.
 """
 
 from __future__ import annotations
@@ -22,10 +28,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import compat, param_update
+from . import grad as grad_path
 from .layouts import OS_PLACEMENTS, chunk_rows, gather_full
+from .lifecycle import StepState
 from .state import AMSPState, AMSPUnit, find_state
 
-__all__ = ["AMSPOptimizer", "finish_param_update", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["AMSPOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
 # Exact classes whose step touches each element on its own (no norms or reductions):
 # safe to run on local shards. Subclasses may not be, so they take the DTensor path.
@@ -56,7 +65,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     Usage: ``AMSPOptimizer(model, torch.optim.AdamW, lr=3e-4)`` where ``model`` is the
     root passed last to ``amsp.fully_shard``. ``param_groups`` and ``state`` are the
-    wrapped optimizer's, so LR schedulers work unchanged.
+    wrapped optimizer's, so LR schedulers work unchanged. ``overlap_param_update``: see
+    the module docstring (default False: parameters are current when ``step()`` returns).
     """
 
     def __init__(
@@ -64,7 +74,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         model: nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        overlap_param_sync: bool = True,
+        overlap_param_update: bool = False,
         **optimizer_kwargs,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -72,19 +82,24 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "optimizer_class must be a torch.optim.Optimizer subclass such as "
                 f"torch.optim.AdamW, got {optimizer_class!r}"
             )
+        if not isinstance(overlap_param_update, bool):
+            raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
         self._model_state: AMSPState = find_state(model)
+        if self._model_state.optimizer_bound:
+            raise ValueError(
+                "this model already has an AMSPOptimizer (it owns the fp32 master weights): "
+                "build one AMSPOptimizer per model, with several param_groups if needed"
+            )
         for unit in self._model_state.units:
             if unit.refresh_params():
-                from .shard import register_grad_hooks
-
-                register_grad_hooks(unit)
+                grad_path.register_param_hooks(unit)
             if any(p.device.type == "meta" for p in unit.local_params()):
                 raise ValueError(
                     f"parameters of {unit.fqn or 'the root'} are still on the meta device: "
                     "materialise the model (to_empty + init_weights) before building "
                     "AMSPOptimizer, which copies them into fp32 master weights"
                 )
-        self.overlap_param_sync = overlap_param_sync
+        self.overlap_param_update = overlap_param_update
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
         self._fqns: list[str] = []
@@ -109,6 +124,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # (_materialize_state) and nothing real was loaded into it: the first step drops it.
         self._placeholder_state = False
         self._has_stepped = False
+        self._model_state.optimizer_bound = True
 
     # ---- construction -------------------------------------------------------------
     def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
@@ -135,13 +151,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         """fp32 master grads from the synced G (divided by the gradient divide factor)."""
         if self._grads_ready:
             return
+        self._check_ready_to_step()
         state = self._model_state
-        if state.unsynced_micro_batches:
-            raise RuntimeError(
-                f"{state.unsynced_micro_batches} backward(s) ran under amsp.no_sync since the "
-                "last gradient sync: run the last micro-batch's backward outside no_sync "
-                "before optimizer.step() / clip_grad_norm_()"
-            )
         factor = state.divide_factor
         index = 0
         for unit, masters in self._unit_masters:
@@ -156,6 +167,35 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 grad_local = (views[j].to(torch.float32) / factor).view(local.shape)
                 opt_param.grad = grad_local if self.local_step else self._as_dtensor(grad_local, master)
         self._grads_ready = True
+
+    def _check_ready_to_step(self) -> None:
+        """Every unit must be SYNCED (lifecycle.py); say what the user did otherwise."""
+        state = self._model_state
+        if state.iteration_aborted():
+            raise RuntimeError(
+                "the last forward or backward raised before it finished: call zero_grad() "
+                "to reset the iteration, then run the step again"
+            )
+        if state.unsynced_micro_batches:
+            raise RuntimeError(
+                f"{state.unsynced_micro_batches} backward(s) ran under amsp.no_sync since the "
+                "last gradient sync: run the last micro-batch's backward outside no_sync "
+                "before optimizer.step() / clip_grad_norm_()"
+            )
+        for unit in state.units:
+            unit.check_device()
+            current = unit.lifecycle.state
+            if current is StepState.SYNCED:
+                continue
+            if current in (StepState.SENDING, StepState.UPDATED):
+                raise RuntimeError(
+                    "step() was called twice without a backward in between: run "
+                    "zero_grad() and a backward before the next step()"
+                )
+            raise RuntimeError(
+                f"step() found no synced gradients for {unit.name} ({current.value}): run "
+                "backward (the last micro-batch outside amsp.no_sync) before step()"
+            )
 
     @staticmethod
     def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
@@ -203,8 +243,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("AMSPOptimizer.step does not take a closure (run backward first)")
-        for unit, _ in self._unit_masters:
-            finish_param_update(unit)
         self._prepare_master_grads()
         if self._placeholder_state:
             # state_dict() ran before the first step and no checkpoint was loaded: let
@@ -216,41 +254,42 @@ class AMSPOptimizer(torch.optim.Optimizer):
         for opt_param in self._opt_params:
             opt_param.grad = None  # the fp32 copies are step-time scratch; G stays until zero_grad
         self._grads_ready = False
+        collectives = self._model_state.collectives
         for unit, masters in self._unit_masters:
-            self._send_params(unit, masters)
-            if not self.overlap_param_sync:
-                finish_param_update(unit)
+            param_update.send(unit, masters, collectives)
+        if not self.overlap_param_update:
+            self.wait_param_update()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for unit in self._model_state.units:
+        """Drop the step's gradients. After a forward or backward that raised, also reset
+        the iteration (complete what was issued, reset FSDP2's state) so it can be retried."""
+        if not set_to_none:
+            raise ValueError(
+                "AMSPOptimizer.zero_grad(set_to_none=False) is not supported: gradients live "
+                "in the engine's buffers, which are freed (set_to_none=True)"
+            )
+        state = self._model_state
+        self.wait_param_update()
+        if state.iteration_aborted():
+            grad_path.reset_iteration(state)
+        for unit in state.units:
             unit.grad_accum = None
             unit.grad_synced = None
+            unit.lifecycle.to(StepState.IDLE)
         for opt_param in self._opt_params:
             opt_param.grad = None
-        self._model_state.unsynced_micro_batches = 0
+        state.unsynced_micro_batches = 0
         self._grads_ready = False
 
-    def finish_param_sync(self) -> None:
-        """Wait until every P shard holds the weights of the last step."""
-        for unit, _ in self._unit_masters:
-            finish_param_update(unit)
+    def wait_param_update(self) -> None:
+        """Land every in-flight post-step all-gather: afterwards every parameter holds the
+        weights of the last step (a no-op unless ``overlap_param_update=True``)."""
+        param_update.land_all(self._model_state.units)
 
-    def _send_params(self, unit: AMSPUnit, masters: list[DTensor]) -> None:
-        """Master -> P: local copy if s_os == s_p, else all-gather over the OS subgroup."""
-        p_locals = unit.local_params()
-        k = unit.info.os_split[0]
-        if k == 1:
-            for dest, master in zip(p_locals, masters):
-                dest.copy_(master.to_local().view(dest.shape))
-            return
-        dtype = p_locals[0].dtype
-        send = torch.zeros(unit.os_layout.numel, dtype=dtype, device=p_locals[0].device)
-        for view, master in zip(unit.os_layout.views(send), masters):
-            view.copy_(master.to_local().reshape(view.shape))
-        gathered = send.new_empty(k, unit.os_layout.numel)
-        dim = unit.info.os_subgroup_dim
-        pending = self._model_state.collectives.all_gather(gathered.view(-1), send, dim, phase="step")
-        unit.pending_param_update = (pending, send)
+    @property
+    def param_update_pending(self) -> bool:
+        """True while some parameters still hold the previous step's weights."""
+        return param_update.pending(self._model_state.units)
 
     # ---- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -259,7 +298,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         Keys are parameter FQNs (as torch.distributed.checkpoint.state_dict does), values
         DTensors in the OS layout, so DCP can save and reshard them.
         """
-        self.finish_param_sync()
+        self.wait_param_update()
         self._materialize_state()
         inner = self.inner.state_dict()
         state = {}
@@ -357,8 +396,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         for unit, masters in self._unit_masters:
-            self._send_params(unit, masters)
-            finish_param_update(unit)
+            param_update.overwrite(unit, masters, self._model_state.collectives)
 
     @staticmethod
     def _to_os_layout(value: torch.Tensor, like: DTensor) -> DTensor:
@@ -392,21 +430,5 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
 
 def _global_row_offset(dtensor: DTensor) -> int:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(
-        dtensor.shape, dtensor.device_mesh, dtensor.placements
-    )
+    offset = compat.global_offset(dtensor)
     return offset[0] if len(offset) else 0
-
-
-@torch.no_grad()
-def finish_param_update(unit: AMSPUnit) -> None:
-    """Land the all-gathered new P rows of ``unit`` (no-op if none is in flight)."""
-    if unit.pending_param_update is None:
-        return
-    pending, _send = unit.pending_param_update
-    unit.pending_param_update = None
-    k = unit.info.os_split[0]
-    gathered = pending.wait().view(k, -1)
-    unit.p_layout.unpack_into(gathered, k, unit.local_params())

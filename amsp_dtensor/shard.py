@@ -10,18 +10,17 @@ the params stay plain tensors and per-param post-accumulate-grad hooks feed the 
 
 from __future__ import annotations
 
-import functools
-
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
 
+from . import compat, param_update, streams
 from . import grad as grad_path
 from .collectives import Collectives, RecordingAllGather, RecordingReduceScatter
 from .mesh import mesh_info
 from .plan import ResolvedPlan, ShardingPlan
-from .state import AMSPState, AMSPUnit, build_layouts
+from .state import AMSPState, AMSPUnit, build_layouts, find_state
 
 __all__ = ["fully_shard"]
 
@@ -38,8 +37,25 @@ def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         if id(param) in taken or id(param) in seen:
             continue
         seen.add(id(param))
+        owner = getattr(param, "_amsp_unit_of", None)
+        if owner is not None:
+            raise ValueError(_already_sharded_message(module, name, owner))
         owned.append((name, param))
     return owned
+
+
+def _already_sharded_message(module: nn.Module, name: str, owner: AMSPUnit) -> str:
+    if owner.state is not None and owner.state.optimizer_bound:
+        return (
+            f"amsp.fully_shard({type(module).__name__}) after AMSPOptimizer was built: "
+            f"parameter {name!r} already belongs to unit {owner.name!r}, whose fp32 masters the "
+            "optimizer holds; shard every module first (bottom-up), then build AMSPOptimizer"
+        )
+    return (
+        f"parameter {name!r} of {type(module).__name__} already belongs to AMSP unit "
+        f"{owner.name!r}: call amsp.fully_shard bottom-up (blocks before the model that "
+        "contains them), once per module"
+    )
 
 
 def _check_args(module, mesh, plan, mp_policy, reshard_after_forward):
@@ -124,21 +140,19 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
             "cast in, and param_shard=1 has none: cast the model to that dtype instead "
             "(master weights stay fp32 in the optimizer)"
         )
+    device = named[0][1].device
     global_shapes = [p.shape for _, p in named]
+    grad_stream = streams.grad_stream(info.mesh.device_type)
     if uses_fsdp:
         kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         fsdp_fully_shard(module, **kwargs)
-        group = module._get_fsdp_state()._fsdp_param_group
-        fsdp_params = group.fsdp_params
+        layouts = [compat.fsdp_param_layout(fp) for fp in compat.fsdp_params(module)]
+        global_shapes = [shape for shape, _, _ in layouts]
+        p_rows = [rows for _, rows, _ in layouts]
+        p_caps = [caps for _, _, caps in layouts]
         params = None  # read from FSDP each time (see AMSPUnit.params)
-        global_shapes = [fp._orig_size for fp in fsdp_params]
-        p_rows = [fp.sharded_size[0] if len(fp.sharded_size) else 1 for fp in fsdp_params]
-        p_caps = [
-            fp.padded_sharded_param_size[0] if len(fp.padded_sharded_param_size) else 1
-            for fp in fsdp_params
-        ]
     else:
         params = [p for _, p in named]
         p_rows = [s[0] if len(s) else 1 for s in global_shapes]
@@ -149,33 +163,32 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         fqn="",
         info=info,
         own_params=params,
+        param_names=[n for n, _ in named],
         uses_fsdp=uses_fsdp,
         global_shapes=list(global_shapes),
         p_layout=p_layout,
         g_layout=g_layout,
         os_layout=os_layout,
+        reduce_dtype=mp_policy.reduce_dtype if mp_policy is not None else None,
+        device=device,
     )
-    unit.param_names = [n for n, _ in named] if not uses_fsdp else _fsdp_names(module, unit.params)
     if uses_fsdp:
+        unit.param_names = _fsdp_names(module, unit.params)
         # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
         # engine divides once, on the fp32 master grads.
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)
-        module.set_all_reduce_hook(functools.partial(grad_path.on_unit_grads, unit, owned=False))
+        module.set_all_reduce_hook(grad_path.fsdp_grad_hook(unit), stream=grad_stream)
         module.set_custom_all_gather(RecordingAllGather(collectives))
         module.set_custom_reduce_scatter(RecordingReduceScatter(collectives))
     else:
-        register_grad_hooks(unit)
+        grad_path.register_param_hooks(unit)
+    for param in unit.params:
+        param._amsp_unit_of = unit
     # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
     # by the last optimizer step, must have landed before it is all-gathered or used.
-    module.register_forward_pre_hook(_wait_param_update_hook(unit), prepend=True)
+    module.register_forward_pre_hook(_unit_pre_forward(unit), prepend=True)
     return unit
-
-
-def register_grad_hooks(unit: AMSPUnit) -> None:
-    """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path."""
-    for index, param in enumerate(unit.params):
-        param.register_post_accumulate_grad_hook(grad_path.make_param_grad_hook(unit, index))
 
 
 def _fsdp_names(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
@@ -183,17 +196,16 @@ def _fsdp_names(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
     return [by_id[id(p)] for p in params]
 
 
-def _wait_param_update_hook(unit: AMSPUnit):
+def _unit_pre_forward(unit: AMSPUnit):
     def hook(module, args):
-        from .optim import finish_param_update
-
-        finish_param_update(unit)
+        unit.check_device()
+        param_update.land(unit)
         if unit.uses_fsdp:
             # Units FSDP will prefetch from here need their new shards too.
-            for other in module._get_fsdp_state()._states_to_forward_prefetch:
-                other_unit = getattr(other._modules[0], "_amsp_unit", None) if other._modules else None
+            for other in compat.fsdp_forward_prefetch_modules(module):
+                other_unit = getattr(other, "_amsp_unit", None)
                 if other_unit is not None:
-                    finish_param_update(other_unit)
+                    param_update.land(other_unit)
 
     return hook
 
@@ -207,29 +219,52 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
         )
     if any(u.info is not info for u in units):
         raise ValueError("all units of one model must use the same amsp mesh and plan")
-    state = AMSPState(info=info, collectives=collectives, units=units)
+    bound = next((u for u in units if u.state is not None and u.state.optimizer_bound), None)
+    if bound is not None:
+        raise ValueError(
+            f"amsp.fully_shard({type(module).__name__}) after AMSPOptimizer was built over "
+            f"unit {bound.name!r}: shard every module first (bottom-up), then build AMSPOptimizer"
+        )
+    state = AMSPState(info=info, collectives=collectives, units=units,
+                      grad_stream=streams.grad_stream(info.mesh.device_type))
     prefix_of = {m: name for name, m in module.named_modules()}
     for unit in units:
         unit.state = state
         prefix = prefix_of[unit.module]
         unit.fqn = prefix
+        unit.lifecycle.owner = prefix
         unit.param_fqns = [f"{prefix}.{n}" if prefix else n for n in unit.param_names]
     for sub in module.modules():
         if sub is not module and hasattr(sub, "_amsp_state"):
             # A former root (a block sharded before its parent) is a root no more.
             del sub._amsp_state
-            sub._amsp_state_dict_hook.remove()
-            del sub._amsp_state_dict_hook
+            for handle in sub._amsp_root_hooks:
+                handle.remove()
+            del sub._amsp_root_hooks
     module._amsp_state = state
-    module._amsp_state_dict_hook = module.register_state_dict_pre_hook(
-        functools.partial(_finish_updates_before_state_dict, state)
-    )
+    module._amsp_root_hooks = [
+        module.register_state_dict_pre_hook(_land_updates_before_state_dict),
+        module.register_forward_pre_hook(_root_pre_forward, prepend=True),
+        module.register_forward_hook(_root_post_forward, always_call=False),
+    ]
 
 
-def _finish_updates_before_state_dict(state, module, prefix, keep_vars):
+def _root_pre_forward(module, args):
+    state = find_state(module)
+    if state.iteration_aborted():
+        raise RuntimeError(
+            "the previous forward or backward of this model raised and left gradient "
+            "collectives or FSDP state behind: call optimizer.zero_grad() (which resets the "
+            "iteration) before running the model again"
+        )
+    state.in_forward = True
+
+
+def _root_post_forward(module, args, output):
+    find_state(module).in_forward = False
+
+
+def _land_updates_before_state_dict(module, prefix, keep_vars):
     # model.state_dict() must see the weights of the last step, whose all-gather may
     # still be in flight (it is otherwise landed by the next forward).
-    from .optim import finish_param_update
-
-    for unit in state.units:
-        finish_param_update(unit)
+    param_update.land_all(find_state(module).units)

@@ -2,8 +2,10 @@
 
 A *unit* is one module passed to ``amsp.fully_shard`` with the parameters it owns (those
 not owned by a unit below it). The *model state* is shared by all units under the module
-``fully_shard`` was last called on (the root): the no_sync flag, the divide factor and
-the queue of in-flight gradient collectives.
+``fully_shard`` was last called on (the root): the no_sync flag, the divide factor, the
+backward in progress and its in-flight gradient collectives. Each unit's place in the
+training step is its ``lifecycle`` (see lifecycle.py); the buffers below are what each
+state holds.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from . import compat
 from .collectives import Collectives, PendingComm
 from .layouts import FlatLayout
+from .lifecycle import StepLifecycle
 from .mesh import MeshInfo
 
 
@@ -24,19 +28,23 @@ class AMSPUnit:
     fqn: str  # for messages; set when the root is known
     info: MeshInfo
     own_params: list[nn.Parameter] | None  # s_p = 1 units; FSDP units read FSDP's (below)
+    param_names: list[str]  # relative to ``module``, in the order of the flat buffers
     uses_fsdp: bool  # False when s_p == 1: plain params, our own hooks, no FSDP copy
     global_shapes: list[torch.Size]
     p_layout: FlatLayout  # this rank's P rows of each param (FSDP's padded shard layout)
     g_layout: FlatLayout  # this rank's G rows (P rows split over the "g" dim)
     os_layout: FlatLayout  # this rank's OS rows (P rows split over the OS subgroup)
+    reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype (None: param dtype)
+    device: torch.device  # where the P shards were when sharded (checked before use)
+    param_fqns: list[str] = field(default_factory=list)
     state: "AMSPState | None" = None
-    # gradient path
-    grad_accum: torch.Tensor | None = None  # g_layout flat; partial sums this step
-    grad_synced: torch.Tensor | None = None  # os_layout flat; reduced over all ranks
-    grads_seen: int = 0  # params of a non-FSDP unit whose grad arrived this backward
-    fired: bool = False  # got its gradients in the current backward
-    # optimizer-state path
-    pending_param_update: "tuple[PendingComm, object] | None" = None
+    lifecycle: StepLifecycle = field(default_factory=StepLifecycle)
+    # ACCUMULATING: partial sums this step (g_layout flat). SYNCED / UPDATED: the step's
+    # G reduced over all ranks (os_layout flat).
+    grad_accum: torch.Tensor | None = None
+    grad_synced: torch.Tensor | None = None
+    # SENDING: the post-step all-gather of the new P rows and its send buffer
+    pending_update: "tuple[PendingComm, torch.Tensor] | None" = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -44,9 +52,12 @@ class AMSPUnit:
         FSDP's sharded params, read each time: materialising a meta model (to_empty)
         lets FSDP swap them."""
         if self.uses_fsdp:
-            group = self.module._get_fsdp_state()._fsdp_param_group
-            return [fp.sharded_param for fp in group.fsdp_params]
+            return [fp.sharded_param for fp in compat.fsdp_params(self.module)]
         return self.own_params
+
+    @property
+    def name(self) -> str:
+        return self.fqn or type(self.module).__name__
 
     def refresh_params(self) -> bool:
         """For s_p = 1 units: pick up Parameter objects that ``module.to_empty`` (materialising
@@ -64,6 +75,48 @@ class AMSPUnit:
             return [p.to_local() for p in self.params]
         return [p.data for p in self.params]
 
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of G and of every gradient collective: the policy's reduce_dtype, else
+        the parameters' dtype."""
+        return self.reduce_dtype or self.params[0].dtype
+
+    def check_device(self) -> None:
+        """The P shards must still be where they were sharded: the masters, layouts and
+        process groups were all built for that device. A unit sharded on the meta device
+        (torchtitan's flow) takes the device it is materialised on (``to_empty``)."""
+        local = self.local_params()
+        if not local or local[0].device == self.device:
+            return
+        if self.device.type == "meta":
+            self.device = local[0].device
+        else:
+            raise RuntimeError(
+                f"AMSP unit {self.name} was sharded on {self.device} but its parameters are "
+                f"now on {local[0].device}: move the model before amsp.fully_shard (or build "
+                "it on the target device), not after"
+            )
+
+
+@dataclass
+class InFlight:
+    """One issued stage of a unit's gradient sync (see grad.py for the stages)."""
+
+    unit: AMSPUnit
+    stage: str  # "g_reduce" | "os_reduce" | "rep_reduce"
+    pending: PendingComm
+    keepalive: torch.Tensor | None  # the collective's input, alive until it completes
+
+
+@dataclass
+class BackwardPass:
+    """What one backward has done so far (exists from the first unit's hook to the end-of-
+    backward callback; left behind by a backward that raised)."""
+
+    sync: bool  # the last micro-batch's backward (outside no_sync)
+    fired: set = field(default_factory=set)  # id(unit) of units whose grads arrived
+    grads_seen: dict = field(default_factory=dict)  # s_p = 1: id(unit) -> params with grads
+    fsdp_grads_to_drop: list = field(default_factory=list)  # units whose FSDP .grad to free
+
 
 @dataclass
 class AMSPState:
@@ -72,16 +125,23 @@ class AMSPState:
     units: list[AMSPUnit] = field(default_factory=list)
     requires_grad_sync: bool = True
     gradient_divide_factor: float | None = None  # None: world size (mean over ranks)
-    callback_queued: bool = False
-    reduce_pending: list = field(default_factory=list)  # (PendingComm, continuation)
-    sync_pending: list = field(default_factory=list)  # PendingComm
+    backward: BackwardPass | None = None
+    in_flight: list[InFlight] = field(default_factory=list)
+    in_forward: bool = False  # root forward started and has not returned
     unsynced_micro_batches: int = 0
+    optimizer_bound: bool = False  # an AMSPOptimizer was built over these units
+    grad_stream: object = None  # CUDA: the engine's grad stream (streams.py); None on CPU
 
     @property
     def divide_factor(self) -> float:
         if self.gradient_divide_factor is None:
             return float(self.info.plan.world_size)
         return self.gradient_divide_factor
+
+    def iteration_aborted(self) -> bool:
+        """A forward or backward raised and left its state behind (it is not running now:
+        callers are outside autograd and outside the root's forward)."""
+        return self.in_forward or (self.backward is not None and not compat.in_backward())
 
 
 def build_layouts(
@@ -104,4 +164,3 @@ def find_state(module: nn.Module) -> AMSPState:
             "block and then on the root model, and pass the root here"
         )
     return state
-

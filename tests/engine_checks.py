@@ -9,6 +9,13 @@ from engine_expectations import expected_step_events, ideal_bytes
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 ELEM = {"fp32": 4, "bf16": 2}
+# variant -> (dtype of the reference and the tolerance, param bytes, gradient bytes)
+VARIANT = {
+    "fp32": ("fp32", 4, 4),
+    "bf16": ("bf16", 2, 2),
+    "fp32-overlap": ("fp32", 4, 4),
+    "bf16-reduce-fp32": ("bf16", 2, 4),
+}
 
 
 def check_equivalence(case, ref, dtype):
@@ -33,7 +40,7 @@ def check_equivalence(case, ref, dtype):
 
 
 def check_memory(case, plan, world, dtype):
-    elem = ELEM[dtype]
+    elem = ELEM[dtype]  # parameters and gradients both in ``dtype``
     ideal = ideal_bytes(plan, elem)
     row = ideal["row_elems"]
     for rank, result in enumerate(case):
@@ -46,8 +53,20 @@ def check_memory(case, plan, world, dtype):
     assert sum(case[r]["memory"]["optim"] for r in range(s_os)) == 12 * ideal["phi"]
 
 
-def check_schedule(case, plan, world, per_node, micro_batches, dtype):
-    want = expected_step_events(plan, world, per_node, micro_batches, ELEM[dtype])
+def check_params_after_step(case, ref, plan):
+    """Weights read through model.parameters() after each of the first steps (right after
+    step(), or after the landing call with overlap) equal single-process training."""
+    got, want = case[0]["step_weights"], ref["step_weights"]
+    assert got and len(got) <= len(want)
+    for step, (got_w, want_w) in enumerate(zip(got, want)):
+        for name, w in want_w.items():
+            diff = rel_diff(got_w[name], w)
+            assert diff <= TOLERANCE["fp32"], (step, name, diff)
+
+
+def check_schedule(case, plan, world, per_node, micro_batches, variant):
+    _, elem, grad_elem = VARIANT[variant]
+    want = expected_step_events(plan, world, per_node, micro_batches, elem, grad_elem=grad_elem)
     for rank, result in enumerate(case):
         got = Counter(result["events"])
         assert got == want, (rank, sorted((got - want).items()), sorted((want - got).items()))
@@ -58,9 +77,9 @@ def check_schedule(case, plan, world, per_node, micro_batches, dtype):
             assert dim in ("p", "g"), key
 
 
-def check_cost_model(case, plan, world, per_node, micro_batches, dtype):
-    """Issue 3's planner predicts exactly what the engine did (bytes per collective and
-    the state bytes of every rank), on the same runs as the checks above."""
+def check_cost_model(case, plan, world, per_node, micro_batches, variant):
+    """The planner's cost model predicts exactly what the engine did (bytes per collective
+    and the state bytes of every rank), on the same runs as the checks above."""
     from amsp_dtensor.cost.check import schedule_differences, unit_param_shapes_of
     from amsp_dtensor.cost.memory import state_bytes_of_rank
     from amsp_dtensor.plan import ShardingPlan
@@ -69,12 +88,14 @@ def check_cost_model(case, plan, world, per_node, micro_batches, dtype):
     resolved = ShardingPlan(*plan).resolve(world, per_node)
     model = TinyLlama()
     units, root = unit_param_shapes_of(model, model.layers)
-    elem = ELEM[dtype]
+    _, elem, grad_elem = VARIANT[variant]
     for rank, result in enumerate(case):
-        diffs = schedule_differences(resolved, units, micro_batches, elem, root, result["events"], clip=True)
+        diffs = schedule_differences(resolved, units, micro_batches, elem, root, result["events"],
+                                     clip=True, reduce_dtype_bytes=grad_elem)
         assert diffs == [], (rank, diffs)
         predicted = state_bytes_of_rank(units, resolved, rank, elem)
+        grad = state_bytes_of_rank(units, resolved, rank, grad_elem).grad  # G in reduce dtype
         mem = result["memory"]
         assert (mem["param"], mem["grad"], mem["optim"]) == (
-            predicted.param, predicted.grad, predicted.optim
-        ), (rank, mem, predicted)
+            predicted.param, grad, predicted.optim
+        ), (rank, mem, predicted, grad)

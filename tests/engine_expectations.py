@@ -1,5 +1,6 @@
-"""What the engine SHOULD do, written from DESIGN.md's schedule and PAPER.md's memory
-model, independently of the engine's code (no amsp_dtensor imports beyond the test model)."""
+"""What the engine SHOULD do, written from the schedule and the memory model in
+docs/design.md, independently of the engine's code (no amsp_dtensor imports beyond the
+test model)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,12 @@ def _inter(dim, plan, world, per_node):
     return size, span > per_node
 
 
-def expected_step_events(plan, world, per_node, micro_batches, elem, clip=True):
-    """Counter of (op, dim, group_size, nbytes, inter_node, phase) for one step."""
+def expected_step_events(plan, world, per_node, micro_batches, elem, clip=True, grad_elem=None):
+    """Counter of (op, dim, group_size, nbytes, inter_node, phase) for one step. ``elem``:
+    bytes of a parameter element (all-gathers); ``grad_elem``: of a gradient element (every
+    reduction; the policy's reduce_dtype), default ``elem``."""
     s_p, s_g, s_os = plan
+    grad_elem = grad_elem or elem
     events = Counter()
 
     def add(op, dim, nbytes, phase):
@@ -55,14 +59,14 @@ def expected_step_events(plan, world, per_node, micro_batches, elem, clip=True):
                 add("all_gather", "p", padded(shapes, s_p, elem), "forward")
                 if not is_root:  # FSDP2 keeps the root unsharded after forward
                     add("all_gather", "p", padded(shapes, s_p, elem), "backward")
-                add("reduce_scatter", "p", padded(shapes, s_p, elem), "backward")
+                add("reduce_scatter", "p", padded(shapes, s_p, grad_elem), "backward")
             if s_g > s_p:
-                add("reduce_scatter", "g", padded(shapes, s_g, elem) // s_p, "sync" if last else "backward")
+                add("reduce_scatter", "g", padded(shapes, s_g, grad_elem) // s_p, "sync" if last else "backward")
             if last:
                 if s_g == s_p and s_os > s_p:
-                    add("reduce_scatter", "os", padded(shapes, s_os, elem) // s_p, "sync")
+                    add("reduce_scatter", "os", padded(shapes, s_os, grad_elem) // s_p, "sync")
                 if world // s_os > 1:
-                    add("all_reduce", "rep", padded(shapes, s_os, elem) // s_os, "sync")
+                    add("all_reduce", "rep", padded(shapes, s_os, grad_elem) // s_os, "sync")
     if clip and s_os > 1:
         add("all_reduce", "shard", 4, "step")
     if s_os > s_p:
@@ -72,7 +76,7 @@ def expected_step_events(plan, world, per_node, micro_batches, elem, clip=True):
 
 
 def ideal_bytes(plan, elem):
-    """PAPER.md memory model per rank: (P, G, OS) = (e/s_p, e/s_g, 12/s_os) * Phi, and the
+    """The paper's memory model per rank: (P, G, OS) = (e/s_p, e/s_g, 12/s_os) * Phi, and the
     padding allowance of one row per tensor."""
     s_p, s_g, s_os = plan
     shapes = [s for _, unit in unit_shapes() for s in unit]

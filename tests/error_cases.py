@@ -37,6 +37,12 @@ EXPECTED = [
     ("already wrapped by torch fully_shard", ValueError, "torch's fully_shard"),
     ("cast without all-gather", ValueError, "param_shard=1 has none"),
     ("step after no_sync only", RuntimeError, "outside no_sync"),
+    ("step twice without a backward", RuntimeError, "twice without a backward"),
+    ("step without any backward", RuntimeError, "run backward"),
+    ("fully_shard after the optimizer was built", ValueError, "after AMSPOptimizer was built"),
+    ("a second optimizer on one model", ValueError, "already has an AMSPOptimizer"),
+    ("model moved after sharding", RuntimeError, "move the model before amsp.fully_shard"),
+    ("zero_grad keeping grads", ValueError, "set_to_none=False"),
 ]
 
 
@@ -85,6 +91,23 @@ def run_error_cases(rank, world):
             loss_fn(good(tokens[:, :-1]), tokens[:, 1:]).backward()
         good_optim.step()
 
+    def step_twice():
+        tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(rank))
+        loss_fn(fresh(tokens[:, :-1]), tokens[:, 1:]).backward()
+        fresh_optim.step()
+        fresh_optim.step()
+
+    def step_without_backward():
+        fresh_optim.zero_grad()
+        fresh_optim.step()
+
+    def moved_after_sharding():
+        m = sharded_model()
+        m.to("meta")
+        m(torch.zeros(2, 8, dtype=torch.long))
+
+    fresh = sharded_model()
+    fresh_optim = amsp.AMSPOptimizer(fresh, torch.optim.AdamW, lr=1e-3)
     cases = [
         lambda: ShardingPlan(2, 1, 4).resolve(4, 2),
         lambda: amsp.init_mesh(ShardingPlan(3, 3, 3), ranks_per_node=2, device_type="cpu"),
@@ -110,6 +133,12 @@ def run_error_cases(rank, world):
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
         ),
         no_sync_then_step,
+        step_twice,
+        step_without_backward,
+        lambda: amsp.fully_shard(fresh.layers[0].attention, mesh=mesh, plan=plan),
+        lambda: amsp.AMSPOptimizer(fresh, torch.optim.AdamW, lr=1e-3),
+        moved_after_sharding,
+        lambda: fresh_optim.zero_grad(set_to_none=False),
     ]
     outcomes = []
     for (name, _, _), case in zip(EXPECTED, cases):

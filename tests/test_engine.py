@@ -1,20 +1,39 @@
 """Every valid plan on 4 CPU ranks (2 nodes x 2) and on 8 (2 nodes x 4): equivalence with
-single-process training, bytes held per state, the exact collective schedule, and the cost
-model's predictions of both. Each world's process group is started once, for all its cases."""
+single-process training, parameters current when step() returns (and, with
+overlap_param_update, once landed), a gradient reduction in fp32 under bf16 parameters,
+bytes held per state, the exact collective schedule, and the cost model's predictions of
+both. Each world's process group is started once, for all its cases."""
 
 import pytest
+import torch
 
 from amsp_dtensor.plan import enumerate_plans
-from engine_cases import MICRO_BATCHES, run_world
-from engine_checks import check_cost_model, check_equivalence, check_memory, check_schedule
+from engine_cases import MICRO_BATCHES, run_world, variants_of
+from engine_checks import (
+    VARIANT,
+    check_cost_model,
+    check_equivalence,
+    check_memory,
+    check_params_after_step,
+    check_schedule,
+)
 
 RANKS_PER_NODE = {4: 2, 8: 4}
 PLANS = {
     world: [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(world, per_node)]
     for world, per_node in RANKS_PER_NODE.items()
 }
-CASES = [(w, plan, dtype) for w in RANKS_PER_NODE for plan in PLANS[w] for dtype in ("fp32", "bf16")]
-CASE_IDS = [f"w{w}-p{p[0]}-g{p[1]}-os{p[2]}-{d}" for w, p, d in CASES]
+
+
+def _cases(variants):
+    cases = [(w, plan, v) for w in RANKS_PER_NODE for plan in PLANS[w] for v in variants
+             if v in variants_of(w)]
+    return cases, [f"w{w}-p{p[0]}-g{p[1]}-os{p[2]}-{v}" for w, p, v in cases]
+
+
+TRAINED, TRAINED_IDS = _cases(("fp32", "bf16", "bf16-reduce-fp32"))
+SCHEDULED, SCHEDULED_IDS = _cases(("fp32", "bf16", "bf16-reduce-fp32", "fp32-overlap"))
+READ, READ_IDS = _cases(("fp32", "fp32-overlap"))
 PLAN_CASES = [(w, plan) for w in RANKS_PER_NODE for plan in PLANS[w]]
 PLAN_IDS = [f"w{w}-p{p[0]}-g{p[1]}-os{p[2]}" for w, p in PLAN_CASES]
 
@@ -22,8 +41,10 @@ PLAN_IDS = [f"w{w}-p{p[0]}-g{p[1]}-os{p[2]}" for w, p in PLAN_CASES]
 def _errors_case(rank, world):
     from error_cases import run_error_cases
     from extra_cases import run_extra_cases
+    from recovery_cases import run_recovery_cases
 
-    return {"errors": run_error_cases(rank, world), "extra": run_extra_cases(rank, world)}
+    return {"errors": run_error_cases(rank, world), "extra": run_extra_cases(rank, world),
+            "recovery": run_recovery_cases(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +66,23 @@ def world4(worlds):
     return worlds(4)
 
 
-@pytest.mark.parametrize("world,plan,dtype", CASES, ids=CASE_IDS)
-def test_matches_single_process(worlds, world, plan, dtype):
+@pytest.mark.parametrize("world,plan,variant", TRAINED, ids=TRAINED_IDS)
+def test_matches_single_process(worlds, world, plan, variant):
     results, refs = worlds(world)
-    check_equivalence(results[(plan, dtype)], refs[dtype], dtype)
+    dtype = VARIANT[variant][0]
+    check_equivalence(results[(plan, variant)], refs[dtype], dtype)
+
+
+@pytest.mark.parametrize("world,plan,variant", READ, ids=READ_IDS)
+def test_parameters_are_current_after_step(worlds, world, plan, variant):
+    results, refs = worlds(world)
+    case = results[(plan, variant)]
+    check_params_after_step(case, refs["fp32"], plan)
+    if variant == "fp32-overlap":
+        # the all-gather really was deferred exactly where one exists (s_os > s_p)
+        assert case[0]["stale_before_wait"] == (plan[2] > plan[0]), case[0]["stale_before_wait"]
+        # and overlapping changes no collective
+        assert sorted(case[0]["events"]) == sorted(results[(plan, "fp32")][0]["events"])
 
 
 @pytest.mark.parametrize("world,plan", PLAN_CASES, ids=PLAN_IDS)
@@ -57,16 +91,16 @@ def test_bytes_per_state(worlds, world, plan):
     check_memory(results[(plan, "bf16")], plan, world, "bf16")
 
 
-@pytest.mark.parametrize("world,plan,dtype", CASES, ids=CASE_IDS)
-def test_collective_schedule(worlds, world, plan, dtype):
+@pytest.mark.parametrize("world,plan,variant", SCHEDULED, ids=SCHEDULED_IDS)
+def test_collective_schedule(worlds, world, plan, variant):
     results, _ = worlds(world)
-    check_schedule(results[(plan, dtype)], plan, world, RANKS_PER_NODE[world], MICRO_BATCHES, dtype)
+    check_schedule(results[(plan, variant)], plan, world, RANKS_PER_NODE[world], MICRO_BATCHES, variant)
 
 
-@pytest.mark.parametrize("world,plan,dtype", CASES, ids=CASE_IDS)
-def test_cost_model_matches_engine(worlds, world, plan, dtype):
+@pytest.mark.parametrize("world,plan,variant", SCHEDULED, ids=SCHEDULED_IDS)
+def test_cost_model_matches_engine(worlds, world, plan, variant):
     results, _ = worlds(world)
-    check_cost_model(results[(plan, dtype)], plan, world, RANKS_PER_NODE[world], MICRO_BATCHES, dtype)
+    check_cost_model(results[(plan, variant)], plan, world, RANKS_PER_NODE[world], MICRO_BATCHES, variant)
 
 
 def test_bad_inputs_raise_and_leave_the_group_usable(world4):
@@ -74,6 +108,19 @@ def test_bad_inputs_raise_and_leave_the_group_usable(world4):
     from error_cases import check_error_results
 
     check_error_results([r["errors"] for r in results["extra"]])
+
+
+def test_exception_in_forward_or_backward_then_retry_is_exact(world4):
+    from recovery_cases import PLANS
+
+    results, _ = world4
+    for rank, r in enumerate(results["extra"]):
+        for plan in PLANS:
+            clean, retried = r["recovery"][plan]["clean"], r["recovery"][plan]["retried"]
+            assert retried["failures"] == 1, (rank, plan)
+            assert retried["losses"] == clean["losses"], (rank, plan)
+            for name, want in clean["weights"].items():
+                assert torch.equal(retried["weights"][name], want), (rank, plan, name)
 
 
 def test_hpz_secondary_group(world4):

@@ -54,7 +54,7 @@ def _train(model, optim, rank, world, steps, before_step=None):
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
-    optim.finish_param_sync()
+    optim.wait_param_update()
     return losses
 
 

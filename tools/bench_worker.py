@@ -170,7 +170,7 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
             if recorded and key.startswith("amsp"):
                 # the post-step all-gather normally completes in the next forward; wait
                 # for it here (untimed) so it lands in this step's record
-                system.optim.finish_param_sync()
+                system.optim.wait_param_update()
         if amsp_rec:
             amsp_rec.__exit__(None, None, None)
         if recorded:
@@ -185,7 +185,7 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
         mem.sample()
         losses.append(loss)
     if key.startswith("amsp"):
-        system.optim.finish_param_sync()
+        system.optim.wait_param_update()
     mem.detach()
     # reductions outside the recorded window
     t = torch.tensor(times, dtype=torch.float64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .. import compat
 from ..state import find_state
 
 
@@ -18,9 +19,8 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     param = grad = 0
     for unit in state.units:
         if unit.uses_fsdp:
-            group = unit.module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params:
-                data = fsdp_param._sharded_param_data
+            for fsdp_param in compat.fsdp_params(unit.module):
+                data = compat.fsdp_sharded_storage(fsdp_param)
                 param += data.numel() * data.element_size()
         else:
             param += sum(p.numel() * p.element_size() for p in unit.params)

@@ -31,13 +31,24 @@ def make_model(dtype: torch.dtype, cfg: TinyLlamaConfig | None = None) -> TinyLl
     return TinyLlama(cfg or TinyLlamaConfig()).to(dtype)
 
 
-def reference_training(world_size, micro_batches, steps, dtype):
-    """One process, whole global batch, fp32 master weights + AdamW, same clipping."""
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole fp32 tensor, read through ``model.named_parameters()``
+    (FSDP's P shards are gathered over "p": a collective, every rank must call it)."""
+    out = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+        out[name] = full.detach().float().clone()
+    return out
+
+
+def reference_training(world_size, micro_batches, steps, dtype, read_steps=0):
+    """One process, whole global batch, fp32 master weights + AdamW, same clipping; the
+    weights after each of the first ``read_steps`` steps in "step_weights"."""
     model = make_model(dtype)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     optim = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
-    losses, norms = [], []
+    losses, norms, step_weights = [], [], []
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
         loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
@@ -52,29 +63,45 @@ def reference_training(world_size, micro_batches, steps, dtype):
             for m, p in zip(masters, params):
                 p.copy_(m)
         losses.append(loss.item())
+        if step < read_steps:
+            step_weights.append(full_weights(model))
     return {
         "losses": losses,
         "norms": norms,
-        "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "weights": full_weights(model),
+        "step_weights": step_weights,
     }
 
 
-def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1):
+def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1,
+                  overlap=False, reduce_dtype=None, read_steps=0):
     """Train under ``plan`` (a (s_p, s_g, s_os) tuple); returns losses, norms, the final
-    full weights (rank 0), this rank's memory per state, and one step's CommEvents."""
+    full weights (rank 0), this rank's memory per state, and one step's CommEvents.
+
+    ``read_steps``: after each of the first steps, read the weights through
+    ``model.parameters()`` ("step_weights", rank 0): right after ``step()``, or with
+    ``overlap`` (``overlap_param_update=True``) after, in turn, ``wait_param_update()``,
+    ``model.state_dict()`` and a forward; "stale_before_wait" then says whether step 0's
+    weights read before the wait were the old ones. ``reduce_dtype``: a
+    MixedPrecisionPolicy(reduce_dtype=...) for every unit.
+    """
     import amsp_dtensor as amsp
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])
     sharding = amsp.ShardingPlan(*plan)
     mesh = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node, device_type="cpu")
     model = make_model(dtype)
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
     for block in model.layers:
-        amsp.fully_shard(block, mesh=mesh, plan=sharding)
-    amsp.fully_shard(model, mesh=mesh, plan=sharding)
-    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-    losses, norms, memory = [], [], {}
-    # Events land when their collective completes (the post-step all-gather completes in
-    # the next forward), so the recorder is read after training.
+        amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=policy)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=policy)
+    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1,
+                               overlap_param_update=overlap)
+    losses, norms, memory, step_weights = [], [], {}, []
+    stale_before_wait = None
+    # Events land when their collective completes (with overlap, the post-step all-gather
+    # completes in the next forward), so the recorder is read after training.
     recorder = amsp.CommRecorder()
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
@@ -92,24 +119,47 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
                     memory["grad"] = amsp.memory_by_state(model)["grad"]
             norms.append(optim.clip_grad_norm_(MAX_NORM).item())
             optim.step()
+            if step < read_steps:
+                if overlap:
+                    if step == 0:
+                        before = full_weights(model)
+                    _land_by(step % 3, model, optim, mb)
+                    if step == 0:
+                        after = full_weights(model)
+                        stale_before_wait = any(not torch.equal(before[n], after[n]) for n in after)
+                step_weights.append(full_weights(model))
             optim.zero_grad()
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world_size)
     mem = amsp.memory_by_state(model, optim)
     memory["param"], memory["optim"] = mem["param"], mem["optim"]
-    optim.finish_param_sync()
+    optim.wait_param_update()
     events = [e.key() for e in recorder.events]
-    weights = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
-        weights[name] = full.detach().float().clone()
+    weights = full_weights(model)
     return {
         "losses": losses,
         "norms": norms,
         "weights": weights if rank == 0 else None,
+        "step_weights": step_weights if rank == 0 else None,
+        "stale_before_wait": stale_before_wait,
         "memory": memory,
         "events": events,
     }
+
+
+LAND_METHODS = ("wait_param_update", "state_dict", "forward")
+
+
+def _land_by(method: int, model, optim, micro_batch) -> None:
+    """With overlap_param_update=True: the three supported ways to make the parameters
+    current after a step (LAND_METHODS)."""
+    if method == 0:
+        optim.wait_param_update()
+    elif method == 1:
+        model.state_dict()
+    else:
+        with torch.no_grad():
+            model(micro_batch[:, :-1])
 
 
 class _null:

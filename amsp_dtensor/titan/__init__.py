@@ -15,6 +15,7 @@ import dataclasses  # noqa: E402
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec  # noqa: E402
 from torchtitan.protocols import train_spec as _train_spec  # noqa: E402
 
+from ..compat import titan_extra_train_specs  # noqa: E402
 from .metrics import build_amsp_metrics_processor  # noqa: E402
 from .optimizer import build_amsp_optimizers  # noqa: E402
 from .parallelize import amsp_plan_of, parallelize_llama_amsp  # noqa: E402
@@ -42,7 +43,7 @@ def uses_amsp(model_name: str) -> bool:
     return spec.parallelize_fn is parallelize_llama_amsp
 
 
-if TRAIN_SPEC_NAME not in _train_spec._extra_train_specs:
+if TRAIN_SPEC_NAME not in titan_extra_train_specs():
     _train_spec.register_train_spec(TRAIN_SPEC_NAME, amsp_train_spec())
 
 __all__ = [

@@ -33,6 +33,11 @@ class Amsp:
     reshard_after_forward: bool | int = True
     """FSDP2's reshard_after_forward for the P path: True, False, or an int (hpZ-style)."""
 
+    overlap_param_update: bool = True
+    """True: the post-step all-gather of the new weights into the P shards runs under the
+    next step's forward (AMSP's overlap; torchtitan reads parameters only through forward
+    and checkpoints, which wait for it). False: every optimizer step waits for it."""
+
     gpu_memory_gib: float = 0.0
     """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
 

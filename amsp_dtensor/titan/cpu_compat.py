@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch
 
+from ..compat import set_pg_timeout
+
 _applied = False
 
 
@@ -77,7 +79,9 @@ def _stub_moe_triton_kernels() -> None:
 #     Make the probe answer "cpu" while that module is imported, and fix up any torchtitan
 #     module that already copied the wrong values.
 def _force_cpu_device_probe() -> None:
-    import torch._utils as tutils
+    from ..compat import torch_utils_module
+
+    tutils = torch_utils_module()
 
     original = tutils._get_available_device_type
 
@@ -189,6 +193,6 @@ def _pg_timeouts_without_device_ids() -> None:
             # torch warns that only nccl/gloo support it, even for gloo groups
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             for group in groups:
-                torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+                set_pg_timeout(timeout, group)
 
     dist_utils.set_pg_timeouts = set_pg_timeouts

@@ -54,6 +54,9 @@ class AmspTrainer(Trainer):
             reinit_like_single_process(
                 self.model_parts[0], self.train_spec.model_cls, self.model_args, job_config
             )
+        if self.amsp_plan is not None and amsp_cfg is not None:
+            for opt in self.optimizers.optimizers:
+                opt.overlap_param_update = amsp_cfg.overlap_param_update
         self._microbatch = 0
         self.last_comm_events: list = []  # CommEvents of the last logged step
         self._unlogged_steps: list = []  # (step, CommRecorder, memory_by_state) not yet logged
@@ -91,15 +94,16 @@ class AmspTrainer(Trainer):
         if last:
             # Nothing left to overlap the post-step all-gather with: complete it now.
             for opt in self.optimizers.optimizers:
-                opt.finish_param_sync()
+                opt.wait_param_update()
         self._log_comms(keep_newest=not last)
 
     def _log_comms(self, keep_newest: bool) -> None:
         """Log each step's collectives once they have all completed.
 
-        The post-step all-gather (OS -> P) of step N is issued in N's optimizer step but
-        completes, and is recorded into N's recorder, in step N+1's forward (the engine
-        overlaps it). So step N's comm scalars are written after step N+1 has run.
+        With ``[amsp] overlap_param_update = true`` the post-step all-gather (OS -> P) of
+        step N is issued in N's optimizer step but completes, and is recorded into N's
+        recorder, in step N+1's forward. So step N's comm scalars are written after step
+        N+1 has run (without overlap they are complete already; the lag is harmless).
         """
         ready = self._unlogged_steps[:-1] if keep_newest else self._unlogged_steps
         for step, rec, memory in ready:

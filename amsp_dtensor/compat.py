@@ -1,0 +1,144 @@
+"""Every private torch / torchtitan name the project relies on, each named once.
+
+The engine needs a few things FSDP2, DTensor, autograd and torchtitan do not expose
+publicly (a unit's FSDPParams, FSDP's copy-in stream, a DTensor's global offset, ...).
+They are reached only through the small functions below, so a torch or torchtitan upgrade
+that moves one of them breaks here, by name, and ``tests/test_compat.py`` says which.
+``PRIVATE_NAMES`` lists them for that test: (module, dotted attribute path).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+
+# Module- and class-level names, checked statically by tests/test_compat.py. Instance
+# attributes (FSDPParam._orig_size, FSDPState._comm_ctx, ...) are checked there by calling
+# the accessors below on a real one-rank FSDP2 model.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultAllGather"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultReduceScatter"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
+    ("torch._C", "_current_graph_task_id"),
+    ("torch.autograd", "Variable._execution_engine.queue_callback"),
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
+    ("torch._utils", "_get_available_device_type"),
+    ("torchtitan.protocols.train_spec", "_extra_train_specs"),
+)
+
+
+def resolve(module: str, path: str):
+    """Import ``module`` and follow ``path``'s attributes (AttributeError names the gap)."""
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- FSDP2 -------------------------------------------------------------------------
+def fsdp_all_gather_base():
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    return DefaultAllGather
+
+
+def fsdp_reduce_scatter_base():
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    return DefaultReduceScatter
+
+
+def fsdp_params(module: nn.Module) -> list:
+    """FSDP2's FSDPParam objects of a module passed to ``fully_shard`` (one param group)."""
+    return module._get_fsdp_state()._fsdp_param_group.fsdp_params
+
+
+def fsdp_param_layout(fsdp_param) -> tuple[torch.Size, int, int]:
+    """(global shape, this rank's real rows, padded rows per rank) of one FSDPParam."""
+    rows = fsdp_param.sharded_size[0] if len(fsdp_param.sharded_size) else 1
+    padded = fsdp_param.padded_sharded_param_size
+    return fsdp_param._orig_size, rows, (padded[0] if len(padded) else 1)
+
+
+def fsdp_sharded_storage(fsdp_param) -> torch.Tensor:
+    """The padded local shard FSDP2 keeps for one param (what the P state costs)."""
+    return fsdp_param._sharded_param_data
+
+
+def fsdp_reset_iteration(module: nn.Module) -> None:
+    """FSDP2's ``reset_iter_state()`` for one unit after a forward or backward raised
+    (the root's resets every unit's FSDP state), plus the part it leaves out. Workaround for torch 2.13: the reset reshards every param group but keeps
+    the gradients autograd already accumulated into the *unsharded* params of a unit whose
+    post-backward never ran (the output head's, when backward stopped in the blocks), so
+    the retried backward adds to them: the retried step trains on a gradient that counts
+    part of the failed micro-batch twice (seen as a 1e-5 loss drift one step later)."""
+    for fsdp_param in fsdp_params(module):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        fsdp_param.unsharded_accumulated_grad = None
+    if module._get_fsdp_state()._is_root is not False:
+        module.reset_iter_state()
+
+
+def fsdp_forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
+    """Modules FSDP2 all-gathers ahead from this unit's pre-forward
+    (``set_modules_to_forward_prefetch``)."""
+    states = module._get_fsdp_state()._states_to_forward_prefetch
+    return [s._modules[0] for s in states if s._modules]
+
+
+def fsdp_copy_in_stream(module: nn.Module):
+    """The stream FSDP2 copies a unit's shards on before all-gathering them (its
+    all-gather input); None before lazy init or without an accelerator."""
+    comm_ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
+    return getattr(comm_ctx, "all_gather_copy_in_stream", None) if comm_ctx else None
+
+
+# ---- DTensor, DeviceMesh, c10d -----------------------------------------------------------
+def global_offset(dtensor) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return tuple(offset)
+
+
+def flatten_mesh(mesh, name: str):
+    """A 1-D mesh over all of ``mesh``'s dims (DeviceMesh._flatten)."""
+    return mesh._flatten(name)
+
+
+def set_pg_timeout(timeout, group) -> None:
+    torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+# ---- autograd ------------------------------------------------------------------------
+def in_backward() -> bool:
+    """True while an autograd graph task runs (inside backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_end_of_backward_callback(callback) -> None:
+    """Run ``callback`` once the current backward has finished (not after an exception)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ---- torch / torchtitan for the CPU shims ------------------------------------------------
+def torch_utils_module():
+    """torch._utils, whose _get_available_device_type torchtitan probes for a device."""
+    import torch._utils as torch_utils
+
+    return torch_utils
+
+
+def titan_extra_train_specs() -> dict:
+    """torchtitan 0.2.2's registry of train specs added at run time."""
+    from torchtitan.protocols import train_spec
+
+    return train_spec._extra_train_specs
