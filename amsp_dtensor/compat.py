@@ -130,11 +130,17 @@ def queue_end_of_backward_callback(callback) -> None:
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------
-def torch_utils_module():
-    """torch._utils, whose _get_available_device_type torchtitan probes for a device."""
+def device_probe():
+    """torch._utils._get_available_device_type, which torchtitan calls to pick a device."""
     import torch._utils as torch_utils
 
-    return torch_utils
+    return torch_utils._get_available_device_type
+
+
+def set_device_probe(probe) -> None:
+    import torch._utils as torch_utils
+
+    torch_utils._get_available_device_type = probe
 
 
 def titan_extra_train_specs() -> dict:

@@ -63,6 +63,8 @@ def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor) -> None:
         state.in_flight.append(InFlight(unit, "g_reduce", pending, packed))
     else:
         _accumulate(unit, flat_p, backward.sync)
+    for observer in state.unit_grad_observers:
+        observer(unit, flat_p)
 
 
 def _accumulate(unit: AMSPUnit, g_shard: torch.Tensor, sync: bool) -> None:

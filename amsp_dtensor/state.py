@@ -131,6 +131,9 @@ class AMSPState:
     unsynced_micro_batches: int = 0
     optimizer_bound: bool = False  # an AMSPOptimizer was built over these units
     grad_stream: object = None  # CUDA: the engine's grad stream (streams.py); None on CPU
+    # called as observer(unit, hook_input) at the end of each unit's gradient hook, when
+    # the engine has taken that unit's grads (observe/ uses it to measure memory there)
+    unit_grad_observers: list = field(default_factory=list)
 
     @property
     def divide_factor(self) -> float:

@@ -57,6 +57,10 @@ class Amsp:
     seeded model, as AMSP runs always do, so runs with different layouts start equal."""
 
 
+class AmspConfigError(ValueError):
+    """An invalid [amsp] setting; str() is the one-line message for the user."""
+
+
 @dataclass
 class JobConfig:
     amsp: Amsp = field(default_factory=Amsp)

@@ -79,19 +79,17 @@ def _stub_moe_triton_kernels() -> None:
 #     Make the probe answer "cpu" while that module is imported, and fix up any torchtitan
 #     module that already copied the wrong values.
 def _force_cpu_device_probe() -> None:
-    from ..compat import torch_utils_module
+    from ..compat import device_probe, set_device_probe
 
-    tutils = torch_utils_module()
-
-    original = tutils._get_available_device_type
+    original = device_probe()
 
     @contextlib.contextmanager
     def _probe_says_cpu():
-        tutils._get_available_device_type = lambda: original() or "cpu"
+        set_device_probe(lambda: original() or "cpu")
         try:
             yield
         finally:
-            tutils._get_available_device_type = original
+            set_device_probe(original)
 
     with _probe_says_cpu():
         import torchtitan.tools.utils  # noqa: F401  (computes device_type at import)

@@ -49,7 +49,7 @@ def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
 
 
 def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
-    from .validate import AmspConfigError
+    from .config import AmspConfigError
 
     try:
         from amsp_dtensor.cost.planner import plan as planner_plan

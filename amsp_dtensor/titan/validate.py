@@ -13,13 +13,9 @@ from typing import Any
 from amsp_dtensor.plan import ResolvedPlan, ShardingPlan, STRATEGY_NAMES, valid_factors
 from amsp_dtensor.plan import _resolve_factor
 
-from .config import Amsp, KNOWN_KEYS
+from .config import KNOWN_KEYS, Amsp, AmspConfigError
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
-
-
-class AmspConfigError(ValueError):
-    """An invalid [amsp] setting; str() is the one-line message for the user."""
 
 
 def check_toml_keys(toml_values: dict[str, Any] | None) -> None:
