@@ -1,5 +1,5 @@
 """Cost model and planner: memory per rank, the per-step comm schedule and its time, and
-the search over plans (PAPER.md, "Memory model", "Communication model", "Planner")."""
+the search over plans (the AMSP paper's memory model, communication model and planner)."""
 
 from .bandwidth import BandwidthTable, BandwidthTableError, load_table
 from .comm import (

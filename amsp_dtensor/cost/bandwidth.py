@@ -1,7 +1,7 @@
 """Measured bandwidth tables (written by `python -m amsp_dtensor.profile`) as a time model.
 
 The paper's t(op, bytes, mesh): profile the effective bandwidth w(op, bytes, mesh) and
-interpolate, t = bytes / w (PAPER.md, "Communication model"). Here t is interpolated
+interpolate, t = bytes / w (the AMSP paper's communication model). Here t is interpolated
 linearly in (log bytes, log seconds) between measured sizes of the same op and group shape;
 below the smallest size the smallest time is used (latency floor), above the largest the
 largest size's bandwidth is kept (t grows linearly).

@@ -16,7 +16,7 @@ unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
   after step, s_os > s_p:       AG over "g" (s_g > s_p) or "os": padded(U,s_os)/s_p  step
   clip_grad_norm_:              AR over "shard" (s_os ranks) of 4 bytes               step
 
-These are the paper's four terms (PAPER.md, "Communication model"): T_p = the "p" traffic
+These are the four terms of the AMSP paper's communication model: T_p = the "p" traffic
 (M*L*[2*t(AG) + t(RS)]), T_g = the "g" reduce-scatters of the first M-1 micro-batches (the
 paper's all-reduce of buckets; a reduce-scatter here), T_os0 = the once-per-step sync across
 replicas, T_os1 = the all-gather of updated params over the OS subgroup (the paper's
@@ -160,6 +160,7 @@ def predicted_events(
     *,
     world_size: int | None = None,
     ranks_per_node: int | None = None,
+    reduce_dtype_bytes: int | None = None,
 ) -> list[PlannedComm]:
     """The collectives of one optimizer step (M micro-batches), per unit, with counts.
 
@@ -171,6 +172,8 @@ def predicted_events(
     reshard_after_forward: True (default), False (no backward AG), or an int k (ZeRO++ hpZ:
       the backward AG runs over the k contiguous ranks that keep a secondary copy).
     clip: add clip_grad_norm_'s scalar all-reduce.
+    reduce_dtype_bytes: element size of the gradient collectives (MixedPrecisionPolicy's
+      reduce_dtype: the reduce-scatters and the sync); default dtype_bytes.
     Use event_counter() to compare with a recorder's events.
     """
     p = _as_resolved(plan, world_size, ranks_per_node)
@@ -178,6 +181,7 @@ def predicted_events(
     if M < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     e = int(dtype_bytes)
+    r = int(reduce_dtype_bytes or dtype_bytes)
     W = p.world_size
     groups = {dim: dim_group(p, dim) for dim in ("p", "g", "os", "rep", "shard")}
     out: list[PlannedComm] = []
@@ -194,8 +198,10 @@ def predicted_events(
     for u, shapes in enumerate(unit_param_shapes):
         key = tuple(tuple(int(d) for d in shape) for shape in shapes)
         pad_p = e * _padded(key, p.s_p)
-        pad_g = e * _padded(key, p.s_g)
-        pad_os = e * _padded(key, p.s_os)
+        red_p = r * _padded(key, p.s_p)
+        pad_g = r * _padded(key, p.s_g)
+        pad_os = r * _padded(key, p.s_os)
+        ag_os = e * _padded(key, p.s_os)
         is_root = root_unit_index is not None and u == root_unit_index % len(unit_param_shapes)
         if p.s_p > 1:
             add("all_gather", "p", pad_p, "forward", M, u)
@@ -206,7 +212,7 @@ def predicted_events(
                     k = int(reshard_after_forward)
                     add("all_gather", "p", pad_p, "backward", M, u,
                         group_shape(k, 1, W, p.ranks_per_node))
-            add("reduce_scatter", "p", pad_p, "backward", M, u)
+            add("reduce_scatter", "p", red_p, "backward", M, u)
         if p.s_g > p.s_p:
             add("reduce_scatter", "g", pad_g // p.s_p, "backward", M - 1, u)
             add("reduce_scatter", "g", pad_g // p.s_p, "sync", 1, u)
@@ -215,7 +221,7 @@ def predicted_events(
         if W // p.s_os > 1:
             add("all_reduce", "rep", pad_os // p.s_os, "sync", 1, u)
         if p.s_os > p.s_p:
-            add("all_gather", "g" if p.s_g > p.s_p else "os", pad_os // p.s_p, "step", 1, u)
+            add("all_gather", "g" if p.s_g > p.s_p else "os", ag_os // p.s_p, "step", 1, u)
     if clip and p.s_os > 1:
         add("all_reduce", "shard", 4, "step", 1, -1)
     return out

@@ -1,6 +1,6 @@
 """Memory model: bytes one rank holds for P, G, OS, activations and temporary buffers.
 
-Model states (PAPER.md, "Memory model"): D_states = 2*Phi/s_p + 2*Phi/s_g + 12*Phi/s_os in
+Model states (the paper's memory model, section 3): D_states = 2*Phi/s_p + 2*Phi/s_g + 12*Phi/s_os in
 bf16 mode (bf16 params and grads, fp32 master + Adam exp_avg + exp_avg_sq in the OS layout);
 fp32 mode keeps 4/s_p + 4/s_g + 12/s_os (master is a separate fp32 copy). Computed per
 tensor with the engine's Shard(0) padding: a tensor of dim0 d0 and cols c sharded over s
@@ -81,14 +81,16 @@ class StateBytes:
 
 def state_bytes(
     unit_param_shapes, s_p: int, s_g: int, s_os: int, dtype_bytes: int,
-    optim_bytes_per_param: int = OPTIM_BYTES_PER_PARAM,
+    optim_bytes_per_param: int = OPTIM_BYTES_PER_PARAM, grad_dtype_bytes: int | None = None,
 ) -> StateBytes:
-    """Bytes of P, G, OS on one rank: e*sum ceil(d0/s_p)*c, e*sum ceil(d0/s_g)*c,
-    12*sum ceil(d0/s_os)*c (the paper's 2/s_p + 2/s_g + 12/s_os per param, padded)."""
+    """Bytes of P, G, OS on one rank: e*sum ceil(d0/s_p)*c, r*sum ceil(d0/s_g)*c,
+    12*sum ceil(d0/s_os)*c (2/s_p + 2/s_g + 12/s_os per param in bf16, padded);
+    r = grad_dtype_bytes (the reduce dtype; default e)."""
     shapes = [shape for unit in unit_param_shapes for shape in unit]
+    r = grad_dtype_bytes or dtype_bytes
     return StateBytes(
         param=dtype_bytes * shard_numel(shapes, s_p),
-        grad=dtype_bytes * shard_numel(shapes, s_g),
+        grad=r * shard_numel(shapes, s_g),
         optim=optim_bytes_per_param * shard_numel(shapes, s_os),
     )
 
@@ -189,6 +191,7 @@ def temp_bytes(
     model: ModelShape, plan: ResolvedPlan, seq_len: int, micro_batch: int,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
+    reduce_dtype: str | None = None,
 ) -> int:
     """Peak temporary buffers in backward (module docstring): gathered units, the unit's
     unsharded grads, the loss gradient, a recomputed block under full checkpointing, and
@@ -205,7 +208,10 @@ def temp_bytes(
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             if 1 < reshard_after_forward < plan.s_p:  # hpZ secondary copy of every block
                 gathered += e * model.n_layers * shard_numel(block, reshard_after_forward)
-    unit_grads = e * big_unit  # unsharded grads of the unit in backward (RS input)
+    r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
+    unit_grads = e * big_unit  # unsharded grads of the unit in backward
+    if r != e:
+        unit_grads += r * big_unit  # FSDP2 casts them to reduce_dtype for the reduce-scatter
     loss_grad = tokens * (4 + e) * model.vocab_size
     recompute = 0
     if activation_checkpointing == "full":
@@ -218,10 +224,11 @@ class MemoryEstimate:
     states: StateBytes
     activations: int
     temp: int
+    reserve: int = 0  # CUDA context, NCCL buffers, allocator slack: outside the tensors
 
     @property
     def total(self) -> int:
-        return self.states.total + self.activations + self.temp
+        return self.states.total + self.activations + self.temp + self.reserve
 
     def as_dict(self) -> dict:
         return {
@@ -230,6 +237,7 @@ class MemoryEstimate:
             "optim": self.states.optim,
             "activations": self.activations,
             "temp": self.temp,
+            "reserve": self.reserve,
             "total": self.total,
         }
 
@@ -238,12 +246,20 @@ def estimate_memory(
     model: ModelShape, plan: ResolvedPlan, seq_len: int, micro_batch: int,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
+    reduce_dtype: str | None = None, reserve_bytes: int = 0,
 ) -> MemoryEstimate:
-    """D_total = D_states + D_activation + D_tmp for one rank (PAPER.md, Memory model)."""
+    """D_total = D_states + D_activation + D_tmp (+ a fixed reserve) for one rank.
+
+    reduce_dtype: "fp32" keeps G (and the gradient collectives) in fp32 under bf16 params
+    (MixedPrecisionPolicy.reduce_dtype); None = the param dtype. reserve_bytes: memory the
+    process holds outside tensors (CUDA context, NCCL buffers, allocator slack)."""
     e = _dtype_bytes(mixed_precision)
-    states = state_bytes(model.unit_param_shapes(), plan.s_p, plan.s_g, plan.s_os, e)
+    r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
+    states = state_bytes(model.unit_param_shapes(), plan.s_p, plan.s_g, plan.s_os, e,
+                         grad_dtype_bytes=r)
     act = activation_bytes(model, seq_len, micro_batch, mixed_precision,
                            activation_checkpointing, attention, norm)
     tmp = temp_bytes(model, plan, seq_len, micro_batch, mixed_precision,
-                     activation_checkpointing, attention, norm, reshard_after_forward)
-    return MemoryEstimate(states, act, tmp)
+                     activation_checkpointing, attention, norm, reshard_after_forward,
+                     reduce_dtype)
+    return MemoryEstimate(states, act, tmp, int(reserve_bytes))

@@ -1,9 +1,13 @@
-"""The planner: enumerate valid plans, keep those that fit in memory, rank by comm time.
+"""The planner: enumerate valid plans, keep those that fit in memory, rank by step time.
 
-PAPER.md, "Planner": minimise T_comm = T_p + T_g + T_os0 + T_os1 over the valid factors
-subject to D_total <= GPU memory; the space is small, so filter then enumerate. Baseline
-systems (DDP, ZeRO-1/2/3, HSDP/MiCS, ZeRO++ hpZ) are costed in the same model so their
-numbers sit beside the chosen plan.
+The AMSP paper's planner minimises T_comm = T_p + T_g + T_os0 + T_os1 over the valid
+factors subject to D_total <= GPU memory; the space is small, so it filters, then
+enumerates. Here plans are ranked by the predicted step time with overlap (cost/step.py:
+compute from FLOPs plus the communication the engine cannot hide), each collective timed
+by NCCL's tuning model (cost/nccl.py) or a measured table (cost/bandwidth.py); the
+no-overlap sum of collective times stays as a column. Baseline systems (DDP, ZeRO-1/2/3,
+HSDP/MiCS, ZeRO++ hpZ) are costed in the same model so their numbers sit beside the
+chosen plan.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from .comm import (
 )
 from .memory import DTYPE_BYTES, MemoryEstimate, estimate_memory
 from .models import ModelShape, from_torchtitan_args, get_model
+from .nccl import NcclModel, node_nic_bytes, wire_bytes
+from .padding import shard_numel
+from .step import ComputeModel, StepTime, step_time
 
 __all__ = [
     "PlanEstimate",
@@ -70,14 +77,39 @@ class PlanEstimate:
     breakdown: dict[str, float]
     fits: bool
     reshard_after_forward: Union[bool, int] = True
+    step: StepTime | None = None
+
+    @property
+    def step_seconds(self) -> float:
+        return self.step.seconds if self.step is not None else self.comm_seconds
 
     @property
     def bytes_intra(self) -> int:
+        """Buffer bytes per step of the collectives inside a node (recorder convention)."""
         return bytes_by_locality(self.events)["intra"]
 
     @property
     def bytes_inter(self) -> int:
+        """Buffer bytes per step of the collectives whose group spans nodes."""
         return bytes_by_locality(self.events)["inter"]
+
+    @property
+    def wire_bytes_intra(self) -> float:
+        """Bytes this rank sends per step in groups inside a node (ring factor x buffer)."""
+        return sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
+                   for e in self.events if not e.inter_node)
+
+    @property
+    def wire_bytes_inter(self) -> float:
+        """Bytes this rank sends per step in groups that span nodes."""
+        return sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
+                   for e in self.events if e.inter_node)
+
+    @property
+    def node_nic_bytes(self) -> float:
+        """Bytes leaving one node through its NICs per step (all its ranks together)."""
+        R = self.plan.ranks_per_node
+        return sum(e.count * node_nic_bytes(e.op, e.nbytes, e.group, R) for e in self.events)
 
     def as_dict(self) -> dict:
         return {
@@ -88,7 +120,12 @@ class PlanEstimate:
             "memory_bytes": self.memory.as_dict(),
             "bytes_intra": self.bytes_intra,
             "bytes_inter": self.bytes_inter,
+            "wire_bytes_intra": self.wire_bytes_intra,
+            "wire_bytes_inter": self.wire_bytes_inter,
+            "node_nic_bytes": self.node_nic_bytes,
             "comm_seconds": self.comm_seconds,
+            "step_seconds": self.step_seconds,
+            "step": self.step.as_dict() if self.step is not None else None,
             "breakdown_seconds": self.breakdown,
             "fits": self.fits,
         }
@@ -100,7 +137,7 @@ class PlanReport:
     settings: dict
     candidates: list[PlanEstimate]  # fitting plans first, fastest first
     baselines: dict[str, PlanEstimate] = field(default_factory=dict)
-    time_model: str = "alpha-beta"
+    time_model: str = "nccl"
 
     @property
     def best(self) -> PlanEstimate:
@@ -141,12 +178,30 @@ def _model_shape(model) -> ModelShape:
     raise TypeError(f"model must be a name, ModelShape or TransformerModelArgs, got {model!r}")
 
 
-def _time_model(bandwidth) -> tuple[TimeModel, str]:
+class TableOverDefaults:
+    """A measured table where it has the op and group shape, the default model elsewhere."""
+
+    def __init__(self, table: BandwidthTable, default: TimeModel):
+        self.table, self.default = table, default
+        self.defaulted: set = set()
+
+    def time(self, op, nbytes, group):
+        if self.table.covers(op, group):
+            return self.table.time(op, nbytes, group)
+        self.defaulted.add((op, group.size, group.nodes))
+        return self.default.time(op, nbytes, group)
+
+
+def _time_model(bandwidth, cluster: NcclModel | None = None) -> tuple[TimeModel, str]:
+    cluster = cluster or NcclModel()
     if bandwidth is None:
-        return AlphaBeta(), "alpha-beta (paper's cluster defaults)"
+        return cluster, cluster.describe()
     if isinstance(bandwidth, (str, Path)):
-        return load_table(bandwidth), f"measured table {bandwidth}"
-    if isinstance(bandwidth, (BandwidthTable, AlphaBeta)) or hasattr(bandwidth, "time"):
+        return (TableOverDefaults(load_table(bandwidth), cluster),
+                f"measured table {bandwidth}, NCCL model where it has no data")
+    if isinstance(bandwidth, BandwidthTable):
+        return TableOverDefaults(bandwidth, cluster), "measured table, NCCL model elsewhere"
+    if hasattr(bandwidth, "time"):
         return bandwidth, type(bandwidth).__name__
     raise TypeError(f"bandwidth must be None, a table path or a time model, got {bandwidth!r}")
 
@@ -162,15 +217,24 @@ def estimate_plan(
     micro_batches: int, memory_budget_bytes: float, time_model: TimeModel,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", reshard_after_forward: Union[bool, int] = True,
-    clip: bool = True, label: str | None = None,
+    clip: bool = True, label: str | None = None, norm: str = "composite",
+    reduce_dtype: str | None = None, reserve_bytes: int = 0,
+    compute: ComputeModel | None = None, overlap_param_update: bool = False,
 ) -> PlanEstimate:
-    """Memory and step communication of one plan."""
+    """Memory, step communication and step time of one plan."""
     mem = estimate_memory(model, plan, seq_len, micro_batch, mixed_precision,
-                          activation_checkpointing, attention,
-                          reshard_after_forward=reshard_after_forward)
+                          activation_checkpointing, attention, norm=norm,
+                          reshard_after_forward=reshard_after_forward,
+                          reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes)
     events = predicted_events(plan, model.unit_param_shapes(), micro_batches,
                               DTYPE_BYTES[mixed_precision], model.root_unit_index,
-                              reshard_after_forward=reshard_after_forward, clip=clip)
+                              reshard_after_forward=reshard_after_forward, clip=clip,
+                              reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
+    os_numel = shard_numel([sh for unit in model.unit_param_shapes() for sh in unit], plan.s_os)
+    st = step_time(model, events, time_model, seq_len=seq_len, micro_batch=micro_batch,
+                   micro_batches=micro_batches, os_numel=os_numel, compute=compute,
+                   activation_checkpointing=activation_checkpointing,
+                   overlap_param_update=overlap_param_update)
     return PlanEstimate(
         label=label or plan.name,
         plan=plan,
@@ -180,7 +244,24 @@ def estimate_plan(
         breakdown=time_breakdown(events, time_model),
         fits=mem.total <= memory_budget_bytes,
         reshard_after_forward=reshard_after_forward,
+        step=st,
     )
+
+
+# Plans whose predicted step times differ by less than this are ties for the model; among
+# them the one that moves fewer bytes is preferred (it leaves more slack if the overlap is
+# worse than modelled, and leaves the network to other jobs).
+STEP_TIME_TIE = 0.01
+
+
+def _rank(estimates) -> list[PlanEstimate]:
+    est = sorted(estimates, key=lambda e: (e.step_seconds, e.memory.total))
+    if not est:
+        return est
+    limit = est[0].step_seconds * (1 + STEP_TIME_TIE)
+    ties = sorted((e for e in est if e.step_seconds <= limit),
+                  key=lambda e: (e.comm_seconds, e.step_seconds, e.memory.total))
+    return ties + [e for e in est if e.step_seconds > limit]
 
 
 def choose_plan(
@@ -188,15 +269,21 @@ def choose_plan(
     ranks_per_node: int, memory_budget_bytes: float, bandwidth=None,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", clip: bool = True, include_baselines: bool = True,
-    require_fit: bool = True,
+    require_fit: bool = True, norm: str = "composite", reduce_dtype: str | None = None,
+    reserve_bytes: int = 0, compute: ComputeModel | None = None,
+    overlap_param_update: bool = False, cluster: NcclModel | None = None,
 ) -> PlanReport:
-    """Rank every valid plan for the world by predicted step comm time among those fitting.
+    """Rank every valid plan for the world by predicted step time among those fitting.
 
     model: a name from cost.models.MODELS (torchtitan flavor names accepted), a ModelShape,
       or a torchtitan TransformerModelArgs.
     micro_batches: gradient-accumulation steps per optimizer step (M).
-    memory_budget_bytes: per rank. bandwidth: None (alpha-beta), a profile JSON path, or a
-      time model. Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
+    memory_budget_bytes: per rank. bandwidth: None (NCCL's tuning model on `cluster`, the
+      paper's cluster by default), a profile JSON path (measured where it has data), or a
+      time model. reserve_bytes: memory outside tensors, added to every plan's total.
+    compute: ComputeModel (FLOP rate) for the step time; overlap_param_update: whether the
+      post-step all-gather overlaps the next forward (the engine's default: no).
+    Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .to_toml(), .as_dict().
     """
     shape = _model_shape(model)
@@ -206,18 +293,25 @@ def choose_plan(
         _positive(name, value)
     if mixed_precision not in DTYPE_BYTES:
         raise ValueError(f"mixed_precision={mixed_precision!r}; use one of {sorted(DTYPE_BYTES)}")
-    if not memory_budget_bytes or memory_budget_bytes <= 0:
+    if not memory_budget_bytes or not memory_budget_bytes > 0:
         raise ValueError(f"memory budget must be positive, got {memory_budget_bytes!r}")
-    tm, tm_name = _time_model(bandwidth)
+    if reduce_dtype is not None and reduce_dtype not in DTYPE_BYTES:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+    if not reserve_bytes >= 0:
+        raise ValueError(f"reserve must be >= 0, got {reserve_bytes!r}")
+    if cluster is None:
+        cluster = NcclModel(gpus_per_node=ranks_per_node)
+    tm, tm_name = _time_model(bandwidth, cluster)
     common = dict(seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
                   memory_budget_bytes=memory_budget_bytes, time_model=tm,
                   mixed_precision=mixed_precision,
                   activation_checkpointing=activation_checkpointing, attention=attention,
-                  clip=clip)
+                  clip=clip, norm=norm, reduce_dtype=reduce_dtype,
+                  reserve_bytes=reserve_bytes, compute=compute,
+                  overlap_param_update=overlap_param_update)
     estimates = [estimate_plan(shape, p, **common)
                  for p in enumerate_plans(world_size, ranks_per_node)]
-    fitting = sorted((e for e in estimates if e.fits),
-                     key=lambda e: (e.comm_seconds, e.memory.total))
+    fitting = _rank(e for e in estimates if e.fits)
     if not fitting and require_fit:
         raise NoPlanFits(int(memory_budget_bytes), min(estimates, key=lambda e: e.memory.total))
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total)
@@ -236,7 +330,12 @@ def choose_plan(
                     memory_budget_bytes=(int(memory_budget_bytes) if memory_budget_bytes != float("inf")
                                          else None),
                     mixed_precision=mixed_precision,
-                    activation_checkpointing=activation_checkpointing, attention=attention)
+                    activation_checkpointing=activation_checkpointing, attention=attention,
+                    norm=norm, reduce_dtype=reduce_dtype or mixed_precision,
+                    reserve_bytes=int(reserve_bytes),
+                    compute_flops=(compute or ComputeModel()).compute_flops,
+                    peak_flops=(compute or ComputeModel()).peak_flops,
+                    overlap_param_update=overlap_param_update)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name)
 
 

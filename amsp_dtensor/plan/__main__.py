@@ -3,19 +3,23 @@
 Example (the paper's setting):
   python -m amsp_dtensor.plan --model llama_7b --gpus 1024 --gpus-per-node 8 --gpu-mem 80 \
       --seq-len 4096 --micro-batch 1 --global-batch-tokens 4194304 [--bandwidth t.json] [--json]
-Errors (unknown model, bad sizes, nothing fits, bad bandwidth table) print one line on stderr
-and exit with status 2.
+Errors (unknown model, conflicting model flags, non-finite or non-positive numbers, impossible
+topologies, nothing fits, bad bandwidth table) print one line naming the flag on stderr and
+exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from amsp_dtensor.cost.bandwidth import BandwidthTableError
 from amsp_dtensor.cost.models import MODELS, ModelShape, get_model
+from amsp_dtensor.cost.nccl import NcclModel
 from amsp_dtensor.cost.planner import NoPlanFits, PlanEstimate, PlanReport, choose_plan
+from amsp_dtensor.cost.step import ComputeModel
 
 PROG = "python -m amsp_dtensor.plan"
 GiB = 2**30
@@ -30,18 +34,29 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Rank AMSP sharding plans by predicted step "
-                "communication time among those that fit in memory (PAPER.md, Planner).")
+    p = _Parser(prog=PROG, description="Rank AMSP sharding plans by predicted step time "
+                "among those that fit in memory (the AMSP paper's planner, with NCCL's "
+                "tuning model per collective and the engine's overlap).")
     p.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}; or give "
-                   "--layers/--dim/--heads/--ffn/--vocab")
+                   "--layers/--dim/--heads/--ffn/--vocab [--kv-heads]")
     for flag, what in (("--layers", "transformer blocks"), ("--dim", "hidden size"),
                        ("--heads", "attention heads"), ("--kv-heads", "KV heads (GQA)"),
                        ("--ffn", "FFN hidden size"), ("--vocab", "vocabulary size")):
         p.add_argument(flag, type=int, help=f"explicit model: {what}")
     p.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
     p.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
-    p.add_argument("--gpu-mem", type=float, required=True, help="memory per rank, GiB")
+    p.add_argument("--gpu-mem", type=_number, required=True, help="memory per GPU, GiB")
+    p.add_argument("--reserve-gib", type=_number, default=DEFAULT_RESERVE_GIB,
+                   help="memory per GPU outside tensors: CUDA context, NCCL buffers, "
+                   f"allocator slack (GiB, default {DEFAULT_RESERVE_GIB:g}; 0 on CPU)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     g = p.add_mutually_exclusive_group()
@@ -50,29 +65,64 @@ def build_parser() -> argparse.ArgumentParser:
                    "(seq-len * micro-batch * gpus)")
     g.add_argument("--micro-batches", type=int, help="micro-batches per step (default 1)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
+                   help="dtype of gradients and their collectives (default: --precision)")
+    p.add_argument("--norm", choices=("composite", "fused"), default="composite",
+                   help="RMSNorm activations: eager composite (fp32 copies) or fused kernel")
     p.add_argument("--activation-checkpointing", choices=("none", "full"), default="none")
     p.add_argument("--attention", choices=("flash", "math"), default="flash")
-    p.add_argument("--bandwidth", help="bandwidth table JSON from python -m amsp_dtensor.profile")
+    p.add_argument("--tflops", type=_number, default=200.0,
+                   help="sustained bf16 TFLOP/s of one GPU on the model (default 200)")
+    p.add_argument("--peak-tflops", type=_number, default=312.0,
+                   help="peak TFLOP/s of one GPU, for MFU (default 312, A100/A800 bf16)")
+    p.add_argument("--nvlink-gbps", type=_number, default=150.0,
+                   help="NVLink bus bandwidth per GPU inside a node, GB/s (default 150)")
+    p.add_argument("--nics-per-node", type=int,
+                   help="NICs per node (default: one per two GPUs, 4 for 8 GPUs)")
+    p.add_argument("--nic-gbps", type=_number, default=25.0,
+                   help="bandwidth of one NIC, GB/s (default 25: 200 Gb/s HDR)")
+    p.add_argument("--overlap-param-update", action="store_true",
+                   help="the post-step all-gather overlaps the next forward "
+                   "(AMSPOptimizer(overlap_param_update=True))")
+    p.add_argument("--bandwidth", help="bandwidth table JSON from python -m amsp_dtensor.profile "
+                   "(used where it has data; NCCL's model elsewhere)")
     p.add_argument("--top", type=int, default=8, help="plans to list (default 8)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
+DEFAULT_RESERVE_GIB = 5.0
+
+
 def _positive(name, value):
-    if value is not None and value <= 0:
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"--{name} must be a finite number, got {value}")
+    if value <= 0:
         raise UsageError(f"--{name} must be positive, got {value:g}")
 
 
 def _model(args) -> ModelShape:
-    explicit = [args.layers, args.dim, args.heads, args.ffn, args.vocab]
-    if args.model and any(v is not None for v in explicit):
-        raise UsageError("give --model or the explicit --layers/--dim/--heads/--ffn/--vocab, not both")
+    explicit = {"--layers": args.layers, "--dim": args.dim, "--heads": args.heads,
+                "--ffn": args.ffn, "--vocab": args.vocab, "--kv-heads": args.kv_heads}
+    given = [k for k, v in explicit.items() if v is not None]
+    if args.model and given:
+        raise UsageError(f"{given[0]} conflicts with --model {args.model} (give --model or "
+                         "the explicit --layers/--dim/--heads/--ffn/--vocab, not both)")
     if args.model:
         return get_model(args.model)
-    if any(v is None for v in explicit):
-        raise UsageError("give --model NAME or all of --layers --dim --heads --ffn --vocab")
-    return ModelShape(f"custom_{args.layers}L_{args.dim}d", args.dim, args.layers, args.heads,
-                      args.vocab, args.ffn, args.kv_heads)
+    missing = [k for k in ("--layers", "--dim", "--heads", "--ffn", "--vocab")
+               if explicit[k] is None]
+    if missing:
+        raise UsageError(f"give --model NAME or all of --layers --dim --heads --ffn --vocab "
+                         f"(missing {missing[0]})")
+    try:
+        return ModelShape(f"custom_{args.layers}L_{args.dim}d", args.dim, args.layers,
+                          args.heads, args.vocab, args.ffn, args.kv_heads)
+    except ValueError as exc:
+        flag = "--kv-heads" if "n_kv_heads" in str(exc) else "--heads"
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _micro_batches(args) -> int:
@@ -87,51 +137,60 @@ def _micro_batches(args) -> int:
     return args.global_batch_tokens // per_step
 
 
-def _row(e: PlanEstimate, mark: str = " ", unit: int = GiB) -> str:
+def _row(e: PlanEstimate, mark: str = " ") -> str:
     m = e.memory
-    return (f"{mark}{e.label[:18]:<18}{m.states.param / unit:7.2f}{m.states.grad / unit:7.2f}"
-            f"{m.states.optim / unit:7.2f}{m.total / unit:8.2f}{'' if e.fits else '!':1}"
-            f"{e.bytes_intra / 1e9:9.2f}{e.bytes_inter / 1e9:9.2f}{e.comm_seconds * 1e3:10.1f}")
+    st = e.step
+    return (f"{mark}{e.label[:16]:<16}{m.states.param / GiB:6.2f}{m.states.grad / GiB:6.2f}"
+            f"{m.states.optim / GiB:6.2f}{m.total / GiB:7.2f}{'' if e.fits else '!':1}"
+            f"{e.bytes_intra / 1e9:7.2f}{e.bytes_inter / 1e9:7.2f}"
+            f"{e.wire_bytes_intra / 1e9:7.2f}{e.wire_bytes_inter / 1e9:7.2f}"
+            f"{e.node_nic_bytes / 1e9:8.1f}{e.comm_seconds * 1e3:8.1f}"
+            f"{e.step_seconds * 1e3:8.1f}{st.mfu * 100:5.1f}")
 
 
-def _header(u: str) -> str:
-    return (f" {'plan / system':<18}{'P':>7}{'G':>7}{'OS':>7}{'total':>8} {'intra':>9}"
-            f"{'inter':>9}{'comm':>10}\n {'':<18}{u:>7}{u:>7}{u:>7}{u:>8} {'GB':>9}{'GB':>9}"
-            f"{'ms':>10}")
+def _header() -> str:
+    return (f" {'':<16}{'memory per GPU (GiB)':^25} {'buffer (GB)':^14}{'wire (GB)':^14}"
+            f"{'node':>8}{'comm':>8}{'step':>8}{'MFU':>5}\n"
+            f" {'plan / system':<16}{'P':>6}{'G':>6}{'OS':>6}{'total':>7} {'intra':>7}"
+            f"{'inter':>7}{'intra':>7}{'inter':>7}{'NICs GB':>8}{'sum ms':>8}{'ms':>8}"
+            f"{'%':>5}")
 
 
 def render(report: PlanReport, top: int) -> str:
     s = report.settings
     mdl = report.model
-    biggest = max(c.memory.total for c in report.candidates)
-    unit, unit_name = (GiB, "GiB") if biggest >= GiB else (2**20, "MiB")
     lines = [
         f"{mdl.name}: {mdl.num_params / 1e6:,.1f}M params, {mdl.n_layers} layers, dim {mdl.dim}",
-        f"{s['world_size']} ranks ({s['ranks_per_node']}/node), seq {s['seq_len']} x "
-        f"micro-batch {s['micro_batch']} x {s['micro_batches']} per step, {s['mixed_precision']}"
-        f", AC {s['activation_checkpointing']}",
-        f"budget {s['memory_budget_bytes'] / GiB:.2f} GiB/rank; time model: "
-        f"{report.time_model}"[:79],
+        f"{s['world_size']} GPUs ({s['ranks_per_node']}/node), seq {s['seq_len']} x "
+        f"micro-batch {s['micro_batch']} x {s['micro_batches']} per step",
+        f"{s['mixed_precision']} (grads {s['reduce_dtype']}), activation checkpointing "
+        f"{s['activation_checkpointing']}, norm {s['norm']}",
+        f"budget {s['memory_budget_bytes'] / GiB:.2f} GiB/GPU incl. {s['reserve_bytes'] / GiB:g}"
+        f" GiB reserve; compute {s['compute_flops'] / 1e12:g} TFLOP/s of "
+        f"{s['peak_flops'] / 1e12:g} peak",
+        f"time model: {report.time_model}",
         "",
-        _header(unit_name),
+        _header(),
     ]
     fitting = [c for c in report.candidates if c.fits]
     for i, c in enumerate(report.candidates[:top]):
-        lines.append(_row(c, "*" if i == 0 and c.fits else " ", unit))
+        lines.append(_row(c, "*" if i == 0 and c.fits else " "))
     if len(report.candidates) > top:
         lines.append(f" ... {len(report.candidates) - top} more plans "
                      f"({len(fitting)} of {len(report.candidates)} fit)")
     lines.append(" baselines:")
     for b in report.baselines.values():
-        lines.append(_row(b, " ", unit))
+        lines.append(_row(b, " "))
     best = report.best
     lines += [
         "",
-        "* chosen, ! over the memory budget. intra/inter: collective buffer bytes per",
-        "rank per step (AG output, RS input, AR tensor); comm: sum of collective times",
-        "(no overlap).",
-        f"chosen: {best.plan.name}, {best.memory.total / unit:.2f} {unit_name}/rank, "
-        f"{best.comm_seconds * 1e3:.1f} ms comm/step. For the job TOML:",
+        "* chosen, ! over the memory budget. Memory in GiB (2^30 B), traffic in GB (1e9 B),",
+        "per step. buffer: collective buffer bytes per GPU (AG output, RS input, AR tensor);",
+        "wire: bytes one GPU sends (ring factor x buffer); node NICs: bytes leaving one node.",
+        "comm sum: collective times added up (no overlap); step: predicted step time with the",
+        "engine's overlap; plans within 1% of the fastest step rank by comm sum.",
+        f"chosen: {best.plan.name}, {best.memory.total / GiB:.2f} GiB/GPU, "
+        f"{best.step_seconds * 1e3:.1f} ms/step, MFU {best.step.mfu * 100:.1f}%. For the job TOML:",
         "",
         report.to_toml().rstrip(),
     ]
@@ -144,18 +203,42 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         for name in ("gpus", "gpus_per_node", "gpu_mem", "seq_len", "micro_batch",
                      "global_batch_tokens", "micro_batches", "layers", "dim", "heads",
-                     "kv_heads", "ffn", "vocab", "top"):
+                     "kv_heads", "ffn", "vocab", "top", "tflops", "peak_tflops",
+                     "nvlink_gbps", "nics_per_node", "nic_gbps"):
             _positive(name.replace("_", "-"), getattr(args, name))
+        if not math.isfinite(args.reserve_gib) or args.reserve_gib < 0:
+            raise UsageError(f"--reserve-gib must be a finite number >= 0, got {args.reserve_gib}")
+        if args.reserve_gib >= args.gpu_mem:
+            raise UsageError(f"--reserve-gib {args.reserve_gib:g} leaves nothing of --gpu-mem "
+                             f"{args.gpu_mem:g}")
+        if args.tflops > args.peak_tflops:
+            raise UsageError(f"--tflops {args.tflops:g} is above --peak-tflops "
+                             f"{args.peak_tflops:g}")
+        if args.gpus_per_node > args.gpus:
+            raise UsageError(f"--gpus-per-node {args.gpus_per_node} is more than --gpus "
+                             f"{args.gpus}")
         if args.gpus % args.gpus_per_node:
             raise UsageError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node "
                              f"{args.gpus_per_node}")
+        if args.nics_per_node is None:
+            args.nics_per_node = max(1, args.gpus_per_node // 2)
+        if args.nics_per_node > args.gpus_per_node:
+            raise UsageError(f"--nics-per-node {args.nics_per_node} is more than "
+                             f"--gpus-per-node {args.gpus_per_node} (one NIC per GPU at most)")
         model = _model(args)
+        cluster = NcclModel(nvlink_bw=args.nvlink_gbps * 1e9, nic_bw=args.nic_gbps * 1e9,
+                            nics_per_node=args.nics_per_node, gpus_per_node=args.gpus_per_node)
         report = choose_plan(
             model, seq_len=args.seq_len, micro_batch=args.micro_batch,
             micro_batches=_micro_batches(args), world_size=args.gpus,
             ranks_per_node=args.gpus_per_node, memory_budget_bytes=args.gpu_mem * GiB,
             bandwidth=args.bandwidth, mixed_precision=args.precision,
             activation_checkpointing=args.activation_checkpointing, attention=args.attention,
+            norm=args.norm, reduce_dtype=args.reduce_dtype,
+            reserve_bytes=int(args.reserve_gib * GiB),
+            compute=ComputeModel(compute_flops=args.tflops * 1e12,
+                                 peak_flops=args.peak_tflops * 1e12),
+            overlap_param_update=args.overlap_param_update, cluster=cluster,
         )
     except NoPlanFits as exc:
         sm = exc.smallest
@@ -167,7 +250,9 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
+        out = report.as_dict()
+        out["units"] = {"memory": "bytes", "traffic": "bytes", "time": "seconds"}
+        print(json.dumps(out, indent=1))
     else:
         print(render(report, args.top))
     return 0

@@ -1,0 +1,217 @@
+"""Step time with overlap: compute from FLOPs, collectives placed where the engine runs them.
+
+Compute. Per token, forward FLOPs of one transformer block are 2 x (its parameters) for the
+matmuls plus 2 x seq x dim for causal attention (QK^T and AV, half the score matrix);
+the root adds the output projection, 2 x vocab x dim (the embedding is a lookup). Backward
+costs twice the forward; full activation checkpointing adds one more forward per block.
+Seconds = FLOPs / ``compute_flops`` (the rate a GPU sustains on this model's matmuls: a
+stated number, ``--tflops``). The optimizer step is memory-bound: ``OPTIM_STEP_BYTES``
+per OS element through HBM at ``hbm_bw``.
+MFU = model FLOPs (no recompute) / (step time x ``peak_flops``).
+
+Overlap. A discrete timeline with one compute stream and one communication queue (the
+collectives of one rank run one after another; they share the links), following what the
+engine issues (docs/layouts.md) and when it waits:
+
+- forward: FSDP2 gathers unit k+1 while unit k computes (its prefetch keeps one all-gather
+  ahead); the root unit is gathered first (the embedding runs first) and stays gathered;
+- backward: FSDP2 prefetches the next unit's all-gather while this one computes; after a
+  unit's backward its reduce-scatter over "p", the engine's reduce-scatter over "g" and,
+  on the last micro-batch, the sync reduce-scatter over "os" are queued; the engine waits
+  for them when the next unit's gradients arrive, so the backward of the unit after next
+  cannot start before they are done; the all-reduce over "rep" is waited for only at the
+  end of the backward. The root's gradients are complete last (the embedding), so its
+  reduce-scatters and sync run after the last block, exposed;
+- step: clip_grad_norm_'s scalar all-reduce, the optimizer, then the all-gather of the
+  updated parameters over the OS subgroup. With ``overlap_param_update=False`` (the
+  engine's default) ``step()`` waits for it; with True each unit's all-gather is queued at
+  the start of the next forward, ahead of that unit's forward all-gather, so only what
+  the forward cannot hide is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .comm import PlannedComm, TimeModel
+from .models import ModelShape
+
+__all__ = ["ComputeModel", "StepTime", "step_time", "model_flops_per_token",
+           "OPTIM_STEP_BYTES"]
+
+# AdamW step per OS element: read fp32 master, bf16 grad, exp_avg, exp_avg_sq; write the
+# three fp32 tensors and the bf16 param: 4+2+4+4 + 4+4+4+2.
+OPTIM_STEP_BYTES = 28
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """compute_flops: sustained FLOP/s of one GPU on the model's matmuls; peak_flops: for
+    MFU; hbm_bw: memory bandwidth for the optimizer step (bytes/s). Defaults: A800/A100
+    bf16 dense peak 312 TFLOP/s, 200 TFLOP/s sustained (64%), HBM2e 2.0 TB/s."""
+
+    compute_flops: float = 200e12
+    peak_flops: float = 312e12
+    hbm_bw: float = 2.0e12
+
+
+def block_flops_per_token(model: ModelShape, seq_len: int) -> float:
+    return 2.0 * model.block_numel + 2.0 * seq_len * model.dim
+
+
+def root_flops_per_token(model: ModelShape) -> float:
+    return 2.0 * model.vocab_size * model.dim
+
+
+def model_flops_per_token(model: ModelShape, seq_len: int) -> float:
+    """Forward + backward FLOPs per token (3x forward), without recompute."""
+    return 3.0 * (model.n_layers * block_flops_per_token(model, seq_len)
+                  + root_flops_per_token(model))
+
+
+@dataclass
+class StepTime:
+    seconds: float  # predicted step time (overlap)
+    compute_seconds: float  # compute stream busy time (incl. optimizer)
+    comm_sum_seconds: float  # sum of all collective times (no overlap)
+    exposed_comm_seconds: float  # seconds - compute_seconds
+    mfu: float
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return dict(seconds=self.seconds, compute_seconds=self.compute_seconds,
+                    comm_sum_seconds=self.comm_sum_seconds,
+                    exposed_comm_seconds=self.exposed_comm_seconds, mfu=self.mfu,
+                    tokens_per_rank=self.tokens)
+
+
+class _Timeline:
+    def __init__(self) -> None:
+        self.compute_free = 0.0
+        self.comm_free = 0.0
+        self.compute_busy = 0.0
+        self.comm_busy = 0.0
+
+    def comm(self, ready: float, seconds: float) -> float:
+        """Queue a collective that may start at `ready`; returns its end."""
+        start = max(ready, self.comm_free)
+        self.comm_free = start + seconds
+        self.comm_busy += seconds
+        return self.comm_free
+
+    def compute(self, ready: float, seconds: float) -> tuple[float, float]:
+        start = max(ready, self.compute_free)
+        self.compute_free = start + seconds
+        self.compute_busy += seconds
+        return start, self.compute_free
+
+
+def _per_call(events: Iterable[PlannedComm], model: TimeModel) -> tuple[dict, float, float]:
+    table: dict = {}
+    total = 0.0
+    clip = 0.0
+    for ev in events:
+        t = model.time(ev.op, ev.nbytes, ev.group)
+        total += t * ev.count
+        if ev.unit < 0:
+            clip += t * ev.count
+            continue
+        table[(ev.unit, ev.phase, ev.op, ev.dim)] = t
+    return table, total, clip
+
+
+def step_time(
+    model: ModelShape, events: list[PlannedComm], time_model: TimeModel, *, seq_len: int,
+    micro_batch: int, micro_batches: int, os_numel: int, compute: ComputeModel | None = None,
+    activation_checkpointing: str = "none", overlap_param_update: bool = False,
+) -> StepTime:
+    """Predicted time of one optimizer step on one rank (module docstring).
+
+    events: predicted_events() of the plan; os_numel: OS elements on this rank (for the
+    optimizer's memory-bound step)."""
+    cm = compute or ComputeModel()
+    L, M = model.n_layers, int(micro_batches)
+    tokens = seq_len * micro_batch
+    per_call, comm_sum, clip = _per_call(events, time_model)
+
+    def c(unit, phase, op, dim):
+        return per_call.get((unit, phase, op, dim), 0.0)
+
+    recompute = 1.0 if activation_checkpointing == "full" else 0.0
+    f_block = tokens * block_flops_per_token(model, seq_len) / cm.compute_flops
+    f_root = tokens * root_flops_per_token(model) / cm.compute_flops
+    root = L
+    order = [root] + list(range(L))  # forward all-gather order
+    tl = _Timeline()
+    t = 0.0
+    post_step = [c(u, "step", "all_gather", d) for u in range(L + 1) for d in ("g", "os")]
+    ps = {u: c(u, "step", "all_gather", "g") + c(u, "step", "all_gather", "os")
+          for u in range(L + 1)}
+    carry_post_step = overlap_param_update and any(post_step)
+    for m in range(M):
+        last = m == M - 1
+        # ---- forward ----
+        gathered: dict[int, float] = {}
+        issue = t
+
+        def gather(u, ready):
+            end = ready
+            if m == 0 and carry_post_step and ps[u]:
+                end = tl.comm(ready, ps[u])
+            return tl.comm(end, c(u, "forward", "all_gather", "p"))
+
+        gathered[order[0]] = gather(order[0], issue)
+        if len(order) > 1:
+            gathered[order[1]] = gather(order[1], issue)
+        for i, u in enumerate(order[1:], start=1):
+            start, _ = tl.compute(gathered[u], f_block)
+            if i + 1 < len(order):
+                gathered[order[i + 1]] = gather(order[i + 1], start)
+        _, fwd_end = tl.compute(gathered[root], f_root)
+        # ---- backward ----
+        pending_sync: list[float] = []
+        drain_before: dict[int, float] = {}
+        bwd_gather: dict[int, float] = {}
+        r_start, r_end = tl.compute(fwd_end, 2 * f_root)
+        blocks = list(range(L - 1, -1, -1))
+        if blocks:
+            bwd_gather[blocks[0]] = tl.comm(r_start, c(blocks[0], "backward", "all_gather", "p"))
+        phase_g = "sync" if last else "backward"
+
+        def grad_chain(u, ready):
+            end = tl.comm(ready, c(u, "backward", "reduce_scatter", "p"))
+            end = tl.comm(end, c(u, phase_g, "reduce_scatter", "g"))
+            if last:
+                end = tl.comm(end, c(u, "sync", "reduce_scatter", "os"))
+                pending_sync.append(tl.comm(end, c(u, "sync", "all_reduce", "rep")))
+            return end
+
+        prev_end = r_end
+        for i, u in enumerate(blocks):
+            ready = max(prev_end, bwd_gather[u], drain_before.get(i, 0.0))
+            start, end = tl.compute(ready, (2 + recompute) * f_block)
+            if i + 1 < len(blocks):
+                bwd_gather[blocks[i + 1]] = tl.comm(
+                    start, c(blocks[i + 1], "backward", "all_gather", "p"))
+            chain_end = grad_chain(u, end)
+            drain_before[i + 2] = chain_end  # waited for after the next unit's backward
+            prev_end = end
+        chain_end = grad_chain(root, prev_end)
+        t = max([prev_end, chain_end] + pending_sync)
+    # ---- step ----
+    t = tl.comm(t, clip)
+    _, t = tl.compute(t, OPTIM_STEP_BYTES * os_numel / cm.hbm_bw)
+    if not overlap_param_update:
+        for u in range(L + 1):
+            t = tl.comm(t, ps[u])
+    seconds = t
+    flops = tokens * M * model_flops_per_token(model, seq_len)
+    return StepTime(
+        seconds=seconds,
+        compute_seconds=tl.compute_busy,
+        comm_sum_seconds=comm_sum,
+        exposed_comm_seconds=max(0.0, seconds - tl.compute_busy),
+        mfu=flops / (seconds * cm.peak_flops) if seconds > 0 else 0.0,
+        tokens=tokens * M,
+    )
