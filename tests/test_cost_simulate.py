@@ -1,0 +1,73 @@
+"""`python -m amsp_dtensor.simulate` at 64 ranks (8 per node) on torch's fake backend:
+the real engine's recorded collectives and state bytes equal the cost model's, exactly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from amsp_dtensor.cost.comm import predicted_events
+from amsp_dtensor.cost.memory import state_bytes_of_rank
+from amsp_dtensor.cost.models import MODELS
+from amsp_dtensor.plan import ShardingPlan
+from amsp_dtensor.simulate import main
+
+PLANS = ["p8-g64-os64", "p1-g1-os8", "p2-g2-os16", "p1-g16-os16", "p64-g64-os64"]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim") / "sim.json"
+    args = [sys.executable, "-m", "amsp_dtensor.simulate", "--model", "llama3_debugmodel",
+            "--gpus", "64", "--gpus-per-node", "8", "--rank", "63", "--layers", "2",
+            "--json", str(out)]
+    for p in PLANS:
+        args += ["--plan", p]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["plan"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_collectives_and_state_bytes_equal_the_model(reports, plan):
+    rep = reports[plan]
+    assert rep["collectives_equal"] and not rep["unexpected"]
+    for row in rep["kinds"]:
+        assert row["recorded_count"] == row["predicted_count"], row
+    # the model's numbers, recomputed here from the flavor's shapes with 2 layers
+    shape = MODELS["llama3_debugmodel"]
+    units = [u for u in shape.unit_param_shapes()[:2]] + [shape.unit_param_shapes()[-1]]
+    rp = ShardingPlan.from_name(plan).resolve(64, 8)
+    events = predicted_events(rp, units, 2, 2, 2, clip=True)
+    assert rep["collectives_recorded"] == sum(e.count for e in events)
+    synced = state_bytes_of_rank(units, rp, 63, 2, grads_synced=True)
+    accum = state_bytes_of_rank(units, rp, 63, 2, grads_synced=False)
+    assert rep["state_bytes"]["measured"] == {
+        "param": synced.param, "optim": synced.optim, "grad_synced": synced.grad,
+        "grad_accumulating": accum.grad}
+    assert rep["states_equal"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "64", "--gpus-per-node", "8", "--plan", "p8-g8-os8"], "--model"),
+    (["--model", "llama3_8b", "--gpus", "60", "--gpus-per-node", "8", "--plan", "p8-g8-os8"],
+     "--gpus 60 is not a multiple of --gpus-per-node 8"),
+    (["--model", "llama3_8b", "--gpus", "4", "--gpus-per-node", "8", "--plan", "p8-g8-os8"],
+     "--gpus-per-node 8 is more than --gpus 4"),
+    (["--model", "llama3_8b", "--gpus", "64", "--gpus-per-node", "8", "--plan", "p3-g3-os3"],
+     "--plan p3-g3-os3:"),
+    (["--model", "llama3_8b", "--gpus", "64", "--gpus-per-node", "8", "--plan", "p8"],
+     "--plan p8:"),
+    (["--model", "llama3_8b", "--gpus", "64", "--gpus-per-node", "8", "--plan", "p8-g8-os8",
+      "--rank", "64"], "--rank 64 is not in [0, 64)"),
+    (["--model", "llama3_8b", "--gpus", "64", "--gpus-per-node", "8", "--plan", "p8-g8-os8",
+      "--layers", "0"], "--layers must be positive"),
+    (["--model", "llama3_8b", "--gpus", "64", "--gpus-per-node", "8", "--plan", "p8-g8-os8",
+      "--seq-len", "x"], "invalid int value"),
+])
+def test_bad_input_one_line_exit_2(args, message, capsys):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1 and message in lines[0], captured.err
