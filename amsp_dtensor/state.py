@@ -22,7 +22,7 @@ from .lifecycle import StepLifecycle
 from .mesh import MeshInfo
 
 
-@dataclass
+@dataclass(eq=False)  # units are compared and hashed by identity
 class AMSPUnit:
     module: nn.Module
     fqn: str  # for messages; set when the root is known

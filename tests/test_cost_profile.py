@@ -58,7 +58,7 @@ def test_groups_tile_the_world():
 def test_profile_runs_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "t.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", "29561", "-m", "amsp_dtensor.profile", "--out", str(out),
+           "--standalone", "-m", "amsp_dtensor.profile", "--out", str(out),
            "--ranks-per-node", "1", "--max-bytes", "16K", "--repeats", "2",
            "--target-ms", "1", "--rounds", "2", "--dtype", "float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,

@@ -24,6 +24,7 @@ def torchrun(args: list[str], dump: Path, nproc: int = 4, timeout: int = 280) ->
     cmd = [
         "timeout", str(timeout),
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--standalone",  # a free port: a fixed one collides with any other job
         "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
         "--job.dump_folder", str(dump), *args,
     ]
