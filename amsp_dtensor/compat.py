@@ -28,6 +28,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch._utils", "_get_available_device_type"),
     ("torchtitan.protocols.train_spec", "_extra_train_specs"),
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    ("torch.cuda", "_sleep"),
 )
 
 
@@ -116,6 +118,20 @@ def flatten_mesh(mesh, name: str):
 
 def set_pg_timeout(timeout, group) -> None:
     torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """torch's fake backend: this process is one rank of a ``world_size`` job; collectives
+    return at once and move no data (for checks at a scale this machine cannot run)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank,
+                                         world_size=world_size)
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Keep the current CUDA stream busy for ``cycles`` GPU cycles (delays what follows)."""
+    torch.cuda._sleep(cycles)
 
 
 # ---- autograd ------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""The engine on one device, as one rank of a larger job (torch's fake process group):
+CUDA stream order and the step lifecycle, in one command.
+
+    python tools/gpu_check.py                 # CUDA if available, else the CPU part
+    python tools/gpu_check.py --device cpu
+
+Checks, for a plan whose post-step all-gather exists (s_os > s_p), with
+overlap_param_update=True, so each unit's new P rows are unpacked in its forward pre-hook:
+
+1. FSDP2's all-gather input of every unit holds the P shard as it is after the unpack,
+   even when the unpack is delayed on the compute stream (``torch.cuda._sleep`` before
+   the forward): the copy-in stream must wait for it (streams.py, rule 3).
+2. The P shard holds the fp32 masters' new values after the landing (the fake backend
+   moves no data, so the engine's own all-gather is given every rank's rows = ours).
+3. On CUDA, the gradient path ran on the engine's grad stream and the synced G is
+   readable on the compute stream after backward (streams.py, rules 1 and 2).
+4. The lifecycle: every unit is SYNCED after backward, UPDATED after landing.
+Exit 0 and "gpu_check: OK" when all hold; one line per failure otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--world", type=int, default=16)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=5)
+    parser.add_argument("--plan", default="2,2,8")
+    parser.add_argument("--sleep-cycles", type=int, default=200_000_000)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but no CUDA device", file=sys.stderr)
+        return 2
+
+    import amsp_dtensor as amsp
+    from amsp_dtensor import collectives, compat
+    from amsp_dtensor.lifecycle import StepState
+    from amsp_dtensor.state import find_state
+    from amsp_dtensor.testing.tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    compat.init_fake_process_group(args.rank, args.world)
+    _fill_engine_all_gathers(collectives)
+    plan = amsp.ShardingPlan(*(int(x) for x in args.plan.split(",")))
+    mesh = amsp.init_mesh(plan, ranks_per_node=args.ranks_per_node, device_type=device.type)
+    torch.manual_seed(0)
+    cfg = TinyLlamaConfig(dim=256, ffn_dim=512, n_layers=4, vocab_size=512)
+    model = TinyLlama(cfg).to(device)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=plan)
+    amsp.fully_shard(model, mesh=mesh, plan=plan)
+    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_param_update=True)
+    state = find_state(model)
+    failures = []
+    captured = _capture_all_gather_inputs(state)
+
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), device=device)
+    loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    if any(u.lifecycle.state is not StepState.SYNCED for u in state.units):
+        failures.append("a unit is not SYNCED after backward")
+    if device.type == "cuda":
+        if state.grad_stream is None:
+            failures.append("no grad stream on CUDA")
+        synced = [u.grad_synced for u in state.units]
+        if any(g is None or not torch.isfinite(g.float()).all() for g in synced):
+            failures.append("synced G missing or not finite on the compute stream")
+    optim.step()
+    masters = {id(u): [m.to_local().detach().clone() for m in ms] for u, ms in optim._unit_masters}
+    captured.clear()
+    if device.type == "cuda":
+        compat.cuda_sleep(args.sleep_cycles)  # the unpacks queue behind this
+    with torch.no_grad():
+        model(tokens[:, :-1])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    for unit in state.units:
+        if unit.lifecycle.state is not StepState.UPDATED:
+            failures.append(f"{unit.name}: {unit.lifecycle.state.value} after the forward")
+        shard = torch.cat([compat.fsdp_sharded_storage(fp).reshape(-1)
+                           for fp in compat.fsdp_params(unit.module)])
+        inputs = captured.get(id(unit.module), [])
+        if not inputs:
+            failures.append(f"{unit.name}: no all-gather captured")
+        elif not torch.equal(inputs[0], shard):
+            failures.append(f"{unit.name}: the all-gather input is not the landed P shard "
+                            "(copy-in ran before the unpack)")
+        for local, master in zip(_os_rows_of_p(unit), masters[id(unit)]):
+            if not torch.equal(local, master.to(local.dtype).reshape(local.shape)):
+                failures.append(f"{unit.name}: P rows differ from the new masters")
+                break
+    for line in failures:
+        print(f"gpu_check: FAIL {line}")
+    if not failures:
+        print(f"gpu_check: OK ({args.device}, rank {args.rank} of {args.world}, plan "
+              f"{args.plan}, {len(state.units)} units)")
+    return 1 if failures else 0
+
+
+def _fill_engine_all_gathers(collectives) -> None:
+    """The fake backend moves no data: the engine's all-gather output gets the input in
+    every rank's slot (as if every rank held the same rows), so the unpack is checkable."""
+    original = collectives.Collectives.all_gather
+
+    def all_gather(self, output, input, dim, phase):
+        pending = original(self, output, input, dim, phase)
+        output.view(-1, input.numel()).copy_(input.reshape(1, -1).expand(
+            output.numel() // input.numel(), -1))
+        return pending
+
+    collectives.Collectives.all_gather = all_gather
+
+
+def _capture_all_gather_inputs(state) -> dict:
+    """Each FSDP unit's all-gather input, cloned on the stream the all-gather runs on."""
+    from amsp_dtensor.collectives import RecordingAllGather
+
+    captured: dict = {}
+    for unit in state.units:
+        if not unit.uses_fsdp:
+            continue
+
+        class Capturing(RecordingAllGather):
+            def __call__(self, output_tensor, input_tensor, group, async_op=False,
+                         _key=id(unit.module)):
+                captured.setdefault(_key, []).append(input_tensor.detach().clone())
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+
+        unit.module.set_custom_all_gather(Capturing(state.collectives))
+    return captured
+
+
+def _os_rows_of_p(unit) -> list[torch.Tensor]:
+    """This rank's OS rows inside its P rows, per param (what the masters hold)."""
+    from amsp_dtensor.layouts import chunk_rows
+
+    k, index = unit.info.os_split
+    out = []
+    for local, rows in zip(unit.local_params(), unit.p_layout.params):
+        start, length = chunk_rows(rows.rows, k)[index]
+        out.append(local.reshape(rows.rows, rows.cols)[start:start + length])
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
