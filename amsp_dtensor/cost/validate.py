@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(rank)
     step_wall, losses, calls_by_step = [], [], []
     for step in range(args.steps):
-        optim.finish_param_sync()
+        optim.wait_param_update()
         timer.log = []
         timer.active = step > 0
         t0 = time.perf_counter()
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
             total += loss.item()
         optim.clip_grad_norm_(1.0)
         optim.step()
-        optim.finish_param_sync()
+        optim.wait_param_update()
         optim.zero_grad()
         rss_trace.setdefault(f"step{step}_optim", _maxrss() - rss_baseline)
         step_wall.append(time.perf_counter() - t0)
