@@ -28,7 +28,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from . import compat, streams
+from . import compat, param_update, streams
 from .lifecycle import StepState
 from .state import AMSPState, AMSPUnit, BackwardPass, InFlight, find_state
 
@@ -215,6 +215,7 @@ def reset_iteration(state: AMSPState) -> None:
     """After a forward or backward raised: complete what was issued (every rank issued the
     same), drop this iteration's gradients, reset FSDP2's per-iteration state, and put
     every unit back to IDLE. Pending parameter updates are landed, not dropped."""
+    param_update.land_all(state.units)
     for entry in state.in_flight:
         entry.pending.wait()
     state.in_flight.clear()

@@ -8,7 +8,8 @@ A unit's gradient and its update pass through these states in every training ste
     REDUCING --every stage of the gradient sync completed--> SYNCED
     SYNCED --optimizer step, P shard needs an all-gather--> SENDING --landed--> UPDATED
     SYNCED --optimizer step, P shard is the OS shard (s_os = s_p)-----------> UPDATED
-    any state --zero_grad() or reset after an exception--> IDLE
+    any state but SENDING --zero_grad()--> IDLE (SENDING keeps its update in flight)
+    any state --reset after an exception (the update is landed first)--> IDLE
 
 - ACCUMULATING holds the step's partial G sums (G layout); no cross-replica traffic yet.
 - REDUCING: the last backward has issued the sync stages (reduce-scatter over "g" and/or

@@ -2,12 +2,13 @@
 
 Each param gets an fp32 master DTensor with OS placements (layouts.OS_PLACEMENTS): this
 rank's 1/s_os of the rows, a sub-chunk of its own P shard, so building it needs no
-communication. Optimizers whose update is elementwise (torch's SGD, Adam, AdamW, ...) run
-on the local shards directly: DTensor dispatch made AdamW's step ~10x slower here (0.9 s
-per step at 8 CPU ranks for a 0.1M-param model) and buys nothing when no op mixes
-elements. Any other optimizer class runs on the DTensors, so its reductions (norms,
-factored moments) see the whole tensor. Either way ``state_dict()`` hands out DTensors in
-the OS layout, sharing storage with what the optimizer updates.
+communication. The wrapped optimizer steps the local shards as plain tensors, which is exact
+when the update of each element depends on that element alone (torch's SGD, Adam, AdamW,
+...: ELEMENTWISE_OPTIMIZERS); any other class is refused at construction with what it would
+need (whole rows and columns for Adafactor's factored moments, whole-tensor norms, ...).
+DTensor dispatch would see whole tensors, but torch 2.13 cannot run such updates on the
+multi-dim OS placements in place, and made AdamW's step ~10x slower here. ``state_dict()``
+hands out DTensors in the OS layout, sharing storage with what the optimizer updates.
 
 After ``step()`` the new weights go back to the P shards (param_update.py): an all-gather
 over the OS subgroup (s_os/s_p ranks holding the same P shard). As with any torch
@@ -52,6 +53,26 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 
+# what a refused optimizer's update reads beyond the element it updates
+_NEEDS = {
+    "Adafactor": "row and column means of each whole 2-D gradient (its factored second "
+                 "moment) and the norms of each whole parameter and update",
+    "LBFGS": "a closure and the whole flattened parameter and gradient vectors",
+    "SparseAdam": "sparse gradients, which the engine's flat buffers do not carry",
+}
+
+
+def _not_elementwise_message(cls: type) -> str:
+    needs = _NEEDS.get(cls.__name__, "values outside the element it updates (or is a subclass "
+                                      "the engine cannot vouch for)")
+    supported = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    return (
+        f"{cls.__name__} is not an elementwise optimizer: each rank steps only its OS shard (a "
+        f"block of rows of every tensor), and {cls.__name__} needs {needs}; use one of "
+        f"{supported} (exact classes)"
+    )
+
+
 def _contiguous_stride(shape) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
@@ -82,6 +103,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "optimizer_class must be a torch.optim.Optimizer subclass such as "
                 f"torch.optim.AdamW, got {optimizer_class!r}"
             )
+        if optimizer_class not in ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(_not_elementwise_message(optimizer_class))
         if not isinstance(overlap_param_update, bool):
             raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
         self._model_state: AMSPState = find_state(model)
@@ -108,12 +131,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._unit_masters.append((unit, masters))
             self._masters.extend(masters)
             self._fqns.extend(unit.param_fqns)
-        self.local_step = optimizer_class in ELEMENTWISE_OPTIMIZERS
-        if self.local_step:
-            # Plain Parameters sharing storage with the master DTensors' local shards.
-            self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
-        else:
-            self._opt_params = list(self._masters)
+        # Plain Parameters sharing storage with the master DTensors' local shards.
+        self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
         self.inner = optimizer_class(self._opt_params, **optimizer_kwargs)
         super().__init__(self._opt_params, self.inner.defaults)
         # One source of truth: schedulers and users edit the wrapped optimizer's groups.
@@ -165,7 +184,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     continue
                 local = master.to_local()
                 grad_local = (views[j].to(torch.float32) / factor).view(local.shape)
-                opt_param.grad = grad_local if self.local_step else self._as_dtensor(grad_local, master)
+                opt_param.grad = grad_local
         self._grads_ready = True
 
     def _check_ready_to_step(self) -> None:
@@ -206,7 +225,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     def _local_grads(self) -> list[torch.Tensor]:
         grads = [p.grad for p in self._opt_params if p.grad is not None]
-        return grads if self.local_step else [g.to_local() for g in grads]
+        return grads
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -269,13 +288,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "in the engine's buffers, which are freed (set_to_none=True)"
             )
         state = self._model_state
-        self.wait_param_update()
         if state.iteration_aborted():
             grad_path.reset_iteration(state)
         for unit in state.units:
             unit.grad_accum = None
             unit.grad_synced = None
-            unit.lifecycle.to(StepState.IDLE)
+            if unit.lifecycle.state is not StepState.SENDING:  # its update still lands later
+                unit.lifecycle.to(StepState.IDLE)
         for opt_param in self._opt_params:
             opt_param.grad = None
         state.unsynced_micro_batches = 0
@@ -305,7 +324,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         for index, (fqn, master) in enumerate(zip(self._fqns, self._masters)):
             entry = {"master": master.detach()}
             for key, value in inner["state"].get(index, {}).items():
-                if self.local_step and isinstance(value, torch.Tensor) and value.shape == master.to_local().shape and value.dim() > 0:
+                if isinstance(value, torch.Tensor) and value.shape == master.to_local().shape and value.dim() > 0:
                     value = self._as_dtensor(value, master)
                 entry[key] = value
             state[fqn] = entry
@@ -381,7 +400,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     value = self._to_os_layout(value, master)
                 if key == "master":
                     master.to_local().copy_(value.to_local())
-                elif isinstance(value, DTensor) and self.local_step:
+                elif isinstance(value, DTensor):
                     converted[key] = value.to_local()
                 else:
                     converted[key] = value

@@ -27,21 +27,51 @@ __all__ = ["fully_shard"]
 
 def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Params of ``module`` not owned by an AMSP unit further down (may be on meta:
-    torchtitan shards the meta model and materialises it afterwards, as with FSDP2)."""
-    taken = set()
-    for sub in module.modules():
-        if sub is not module and getattr(sub, "_amsp_unit", None) is not None:
-            taken.update(id(p) for p in sub._amsp_unit.params)
-    seen, owned = set(), []
-    for name, param in module.named_parameters():
-        if id(param) in taken or id(param) in seen:
-            continue
-        seen.add(id(param))
-        owner = getattr(param, "_amsp_unit_of", None)
+    torchtitan shards the meta model and materialises it afterwards, as with FSDP2).
+
+    Every name a parameter is reachable by is looked at (``remove_duplicate=False``), so
+    a tensor shared by two modules (tied embedding and output head) is caught when the
+    two names fall in different units: one unit would update it while the other reads a
+    copy. Tied modules may share one unit; they may not be split over two."""
+    unit_at = {name: sub._amsp_unit for name, sub in module.named_modules()
+               if sub is not module and getattr(sub, "_amsp_unit", None) is not None}
+    owner_of = {id(p): unit for unit in unit_at.values() for p in unit.params}
+    first_name, owned = {}, []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        location = _unit_containing(name, unit_at)  # None: this module's own param
+        owner = owner_of.get(id(param)) or getattr(param, "_amsp_unit_of", None)
+        if owner is not None and owner is location:
+            continue  # a param of a unit below, reached through that unit
         if owner is not None:
+            other = next((n for n, u in unit_at.items() if u is owner), None)
+            if other is not None or location is not None:
+                raise ValueError(_tied_message(name, other or first_name.get(id(param), "?")))
             raise ValueError(_already_sharded_message(module, name, owner))
+        if location is not None:
+            # reached through a unit below that does not own it: tied with a param that
+            # this module owns (its own name came first) or will own (it comes later)
+            raise ValueError(_tied_message(name, first_name.get(id(param), "this module")))
+        if id(param) in first_name:
+            continue  # tied inside this unit: one parameter, sharded once
+        first_name[id(param)] = name
         owned.append((name, param))
     return owned
+
+
+def _unit_containing(name: str, unit_at: dict) -> "AMSPUnit | None":
+    best = None
+    for prefix, unit in unit_at.items():
+        if name.startswith(prefix + ".") and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, unit)
+    return best[1] if best else None
+
+
+def _tied_message(name: str, other: str) -> str:
+    return (
+        f"tied parameters: {name!r} is the same tensor as a parameter of {other!r}, which is "
+        "in another AMSP unit; modules that share a weight must be in one unit: do not call "
+        f"amsp.fully_shard on {other!r} on its own (let the unit containing both own it)"
+    )
 
 
 def _already_sharded_message(module: nn.Module, name: str, owner: AMSPUnit) -> str:
@@ -108,12 +138,6 @@ def fully_shard(
     """
     info = _check_args(module, mesh, plan, mp_policy, reshard_after_forward)
     named = _owned_params(module)
-    for name, param in named:
-        if not param.requires_grad:
-            raise ValueError(
-                f"parameter {name!r} of {type(module).__name__} does not require grad: frozen "
-                "parameters are not supported by amsp.fully_shard yet"
-            )
     dtypes = {p.dtype for _, p in named}
     if len(dtypes) > 1:
         raise ValueError(
@@ -141,20 +165,28 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
             "(master weights stay fp32 in the optimizer)"
         )
     device = named[0][1].device
-    global_shapes = [p.shape for _, p in named]
+    # [Note: frozen parameters] A parameter with requires_grad=False is P only: FSDP2
+    # shards and all-gathers it like any other, but it gets no gradient (FSDP2's
+    # reduce-scatter leaves it out), so the unit's G and OS layouts, hooks and masters
+    # cover the trainable parameters alone. A unit of frozen parameters only has no
+    # gradient path at all (AMSPState.frozen_units).
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    frozen = [p for _, p in named if not p.requires_grad]
+    global_shapes = [p.shape for _, p in trainable]
     grad_stream = streams.grad_stream(info.mesh.device_type)
     if uses_fsdp:
         kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         fsdp_fully_shard(module, **kwargs)
-        layouts = [compat.fsdp_param_layout(fp) for fp in compat.fsdp_params(module)]
+        layouts = [compat.fsdp_param_layout(fp) for fp in compat.fsdp_params(module)
+                   if fp.sharded_param.requires_grad]
         global_shapes = [shape for shape, _, _ in layouts]
         p_rows = [rows for _, rows, _ in layouts]
         p_caps = [caps for _, _, caps in layouts]
         params = None  # read from FSDP each time (see AMSPUnit.params)
     else:
-        params = [p for _, p in named]
+        params = [p for _, p in trainable]
         p_rows = [s[0] if len(s) else 1 for s in global_shapes]
         p_caps = list(p_rows)
     p_layout, g_layout, os_layout = build_layouts(info, global_shapes, p_rows, p_caps)
@@ -163,7 +195,8 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         fqn="",
         info=info,
         own_params=params,
-        param_names=[n for n, _ in named],
+        param_names=[n for n, _ in trainable],
+        frozen_params=frozen if not uses_fsdp else [],
         uses_fsdp=uses_fsdp,
         global_shapes=list(global_shapes),
         p_layout=p_layout,
@@ -183,12 +216,32 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         module.set_custom_reduce_scatter(RecordingReduceScatter(collectives))
     else:
         grad_path.register_param_hooks(unit)
-    for param in unit.params:
+    # mark the params, and for FSDP units also the originals FSDP replaced on the module:
+    # another module may still hold an original (a tied weight), see _owned_params
+    sharded = [fp.sharded_param for fp in compat.fsdp_params(module)] if uses_fsdp else []
+    for param in [*unit.params, *sharded, *(p for _, p in named)]:
         param._amsp_unit_of = unit
     # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
     # by the last optimizer step, must have landed before it is all-gathered or used.
     module.register_forward_pre_hook(_unit_pre_forward(unit), prepend=True)
+    if not uses_fsdp:
+        _land_before_submodule_forward(unit)
     return unit
+
+
+def _land_before_submodule_forward(unit: AMSPUnit) -> None:
+    """s_p = 1 params are plain tensors, so a submodule of the unit can be run on its own
+    (``model.layers[0].attention(x)``); with an overlapped update in flight it must see
+    the new weights too. (FSDP units' params are sharded DTensors outside the unit's
+    forward, so their submodules cannot be run alone.)"""
+    owned = {id(p) for p in unit.params}
+
+    def hook(module, args):
+        param_update.land(unit)
+
+    for sub in unit.module.modules():
+        if sub is not unit.module and any(id(p) in owned for p in sub.parameters(recurse=False)):
+            sub.register_forward_pre_hook(hook)
 
 
 def _fsdp_names(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
@@ -225,7 +278,9 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
             f"amsp.fully_shard({type(module).__name__}) after AMSPOptimizer was built over "
             f"unit {bound.name!r}: shard every module first (bottom-up), then build AMSPOptimizer"
         )
-    state = AMSPState(info=info, collectives=collectives, units=units,
+    state = AMSPState(info=info, collectives=collectives,
+                      units=[u for u in units if u.p_layout.params],
+                      frozen_units=[u for u in units if not u.p_layout.params],
                       grad_stream=streams.grad_stream(info.mesh.device_type))
     prefix_of = {m: name for name, m in module.named_modules()}
     for unit in units:

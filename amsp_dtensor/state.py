@@ -29,6 +29,7 @@ class AMSPUnit:
     info: MeshInfo
     own_params: list[nn.Parameter] | None  # s_p = 1 units; FSDP units read FSDP's (below)
     param_names: list[str]  # relative to ``module``, in the order of the flat buffers
+    frozen_params: list[nn.Parameter]  # s_p = 1: requires_grad=False params (P only)
     uses_fsdp: bool  # False when s_p == 1: plain params, our own hooks, no FSDP copy
     global_shapes: list[torch.Size]
     p_layout: FlatLayout  # this rank's P rows of each param (FSDP's padded shard layout)
@@ -52,7 +53,8 @@ class AMSPUnit:
         FSDP's sharded params, read each time: materialising a meta model (to_empty)
         lets FSDP swap them."""
         if self.uses_fsdp:
-            return [fp.sharded_param for fp in compat.fsdp_params(self.module)]
+            return [fp.sharded_param for fp in compat.fsdp_params(self.module)
+                    if fp.sharded_param.requires_grad]
         return self.own_params
 
     @property
@@ -122,7 +124,8 @@ class BackwardPass:
 class AMSPState:
     info: MeshInfo
     collectives: Collectives
-    units: list[AMSPUnit] = field(default_factory=list)
+    units: list[AMSPUnit] = field(default_factory=list)  # units with trainable params
+    frozen_units: list[AMSPUnit] = field(default_factory=list)  # P only (see shard.py)
     requires_grad_sync: bool = True
     gradient_divide_factor: float | None = None  # None: world size (mean over ranks)
     backward: BackwardPass | None = None

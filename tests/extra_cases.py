@@ -72,6 +72,19 @@ def run_extra_cases(rank, world):
     out["loaded_lr"] = target_optim.param_groups[0]["lr"]
     out["source_continued"] = _train(source, source_optim, rank, world, 3, first_step=3)
     out["target_continued"] = _train(target, target_optim, rank, world, 3, first_step=3)
+
+    # overlap_param_update=True, s_p = 1: running one submodule of a unit on its own right
+    # after the step (zero_grad does not land the update) sees the new weights
+    overlapped = _build((1, 1, 4))
+    overlapped_optim = amsp.AMSPOptimizer(overlapped, torch.optim.AdamW, lr=LR, overlap_param_update=True)
+    plain = _build((1, 1, 4))
+    plain_optim = amsp.AMSPOptimizer(plain, torch.optim.AdamW, lr=LR)
+    _train(overlapped, overlapped_optim, rank, world, 1)
+    _train(plain, plain_optim, rank, world, 1)
+    x = torch.ones(2, overlapped.cfg.dim)
+    out["pending_after_zero_grad"] = overlapped_optim.param_update_pending
+    out["submodule_output_equal"] = torch.equal(overlapped.layers[0].attention.wq(x),
+                                                plain.layers[0].attention.wq(x))
     return out
 
 

@@ -123,6 +123,13 @@ def test_exception_in_forward_or_backward_then_retry_is_exact(world4):
                 assert torch.equal(retried["weights"][name], want), (rank, plan, name)
 
 
+def test_submodule_forward_lands_an_overlapped_update(world4):
+    results, _ = world4
+    for r in results["extra"]:
+        assert r["extra"]["pending_after_zero_grad"] is True
+        assert r["extra"]["submodule_output_equal"] is True
+
+
 def test_hpz_secondary_group(world4):
     results, _ = world4
     for r in results["extra"]:

@@ -17,13 +17,13 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     """
     state = find_state(model)
     param = grad = 0
-    for unit in state.units:
+    for unit in [*state.units, *state.frozen_units]:
         if unit.uses_fsdp:
             for fsdp_param in compat.fsdp_params(unit.module):
                 data = compat.fsdp_sharded_storage(fsdp_param)
                 param += data.numel() * data.element_size()
         else:
-            param += sum(p.numel() * p.element_size() for p in unit.params)
+            param += sum(p.numel() * p.element_size() for p in [*unit.params, *unit.frozen_params])
         for buf in (unit.grad_accum, unit.grad_synced):
             if buf is not None:
                 grad += buf.numel() * buf.element_size()

@@ -26,9 +26,30 @@ def local_micro_batch(batch, rank, world_size, micro):
     return batch[start : start + MICRO_BATCH]
 
 
-def make_model(dtype: torch.dtype, cfg: TinyLlamaConfig | None = None) -> TinyLlama:
+def make_model(dtype: torch.dtype, cfg: TinyLlamaConfig | None = None, variant: str = "") -> TinyLlama:
+    """The test model; ``variant`` one of MODEL_VARIANTS ("" = as built)."""
     torch.manual_seed(0)
-    return TinyLlama(cfg or TinyLlamaConfig()).to(dtype)
+    model = TinyLlama(cfg or TinyLlamaConfig()).to(dtype)
+    MODEL_VARIANTS[variant](model)
+    return model
+
+
+def _freeze_embeddings_and_attention(model: TinyLlama) -> None:
+    """LoRA-style: frozen token embeddings and the attention half of every block."""
+    model.tok_embeddings.weight.requires_grad_(False)
+    for block in model.layers:
+        block.attention.requires_grad_(False)
+
+
+def _tie_output_to_embeddings(model: TinyLlama) -> None:
+    model.output.weight = model.tok_embeddings.weight
+
+
+MODEL_VARIANTS = {
+    "": lambda model: None,
+    "frozen": _freeze_embeddings_and_attention,
+    "tied": _tie_output_to_embeddings,
+}
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -41,11 +62,11 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_training(world_size, micro_batches, steps, dtype, read_steps=0):
+def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, variant=""):
     """One process, whole global batch, fp32 master weights + AdamW, same clipping; the
     weights after each of the first ``read_steps`` steps in "step_weights"."""
-    model = make_model(dtype)
-    params = list(model.parameters())
+    model = make_model(dtype, variant=variant)
+    params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     optim = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
     losses, norms, step_weights = [], [], []
@@ -74,7 +95,7 @@ def reference_training(world_size, micro_batches, steps, dtype, read_steps=0):
 
 
 def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1,
-                  overlap=False, reduce_dtype=None, read_steps=0):
+                  overlap=False, reduce_dtype=None, read_steps=0, variant=""):
     """Train under ``plan`` (a (s_p, s_g, s_os) tuple); returns losses, norms, the final
     full weights (rank 0), this rank's memory per state, and one step's CommEvents.
 
@@ -83,7 +104,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     ``overlap`` (``overlap_param_update=True``) after, in turn, ``wait_param_update()``,
     ``model.state_dict()`` and a forward; "stale_before_wait" then says whether step 0's
     weights read before the wait were the old ones. ``reduce_dtype``: a
-    MixedPrecisionPolicy(reduce_dtype=...) for every unit.
+    MixedPrecisionPolicy(reduce_dtype=...) for every unit. ``variant``: MODEL_VARIANTS.
     """
     import amsp_dtensor as amsp
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -91,7 +112,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])
     sharding = amsp.ShardingPlan(*plan)
     mesh = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node, device_type="cpu")
-    model = make_model(dtype)
+    model = make_model(dtype, variant=variant)
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=policy)

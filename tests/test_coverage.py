@@ -1,0 +1,154 @@
+"""Models beyond the plain llama block, under every valid plan on 4 CPU ranks (2 nodes x 2),
+one process group for the module: frozen parameters (LoRA-style: frozen embeddings and the
+attention half of every block) train exactly like single-process training and hold no G
+or OS; tied weights split over two units are refused with one line naming both modules,
+and train exactly when they share one unit; optimizers outside the elementwise list are
+refused at construction."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from amsp_dtensor.plan import enumerate_plans
+from amsp_dtensor.testing.multiproc import run_on_ranks
+from amsp_dtensor.testing.scenarios import amsp_training, make_model, reference_training
+from engine_cases import rel_diff
+
+pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
+                                reason="multi-process")
+
+WORLD, PER_NODE, STEPS, MICRO_BATCHES = 4, 2, 3, 2
+PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
+TIED_EXACT_PLANS = [(1, 1, 4), (2, 2, 4), (4, 4, 4)]
+PLAN_IDS = [f"p{a}-g{b}-os{c}" for a, b, c in PLANS]
+
+
+def _tied_split(rank, world, plan, separate):
+    import amsp_dtensor as amsp
+
+    sharding = amsp.ShardingPlan(*plan)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=PER_NODE, device_type="cpu")
+    model = make_model(torch.float32, variant="tied")
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding)
+    amsp.fully_shard(getattr(model, separate), mesh=mesh, plan=sharding)
+    try:
+        amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _refused_optimizer(rank, world):
+    import amsp_dtensor as amsp
+
+    sharding = amsp.ShardingPlan(2, 2, 4)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=PER_NODE, device_type="cpu")
+    model = make_model(torch.float32)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    out = {}
+    for cls in (torch.optim.Adafactor, torch.optim.LBFGS):
+        try:
+            amsp.AMSPOptimizer(model, cls, lr=1e-2)
+            out[cls.__name__] = None
+        except (TypeError, ValueError) as exc:
+            out[cls.__name__] = str(exc)
+    return out
+
+
+def _all_cases(rank, world):
+    out = {"frozen": {}, "tied": {}, "tied_split": {}}
+    for plan in PLANS:
+        out["frozen"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
+                                            STEPS, variant="frozen")
+        out["tied_split"][plan] = {sep: _tied_split(rank, world, plan, sep)
+                                   for sep in ("output", "tok_embeddings")}
+    for plan in TIED_EXACT_PLANS:
+        out["tied"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
+                                          STEPS, variant="tied")
+    out["optimizers"] = _refused_optimizer(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = run_on_ranks(_all_cases, WORLD, PER_NODE, timeout=600)
+    refs = {v: reference_training(WORLD, MICRO_BATCHES, STEPS, torch.float32, variant=v)
+            for v in ("frozen", "tied")}
+    return results, refs
+
+
+def _check_exact(case, ref):
+    assert rel_diff(case["losses"], ref["losses"]) <= 1e-5, (case["losses"], ref["losses"])
+    for name, want in ref["weights"].items():
+        assert rel_diff(case["weights"][name], want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
+def test_frozen_parameters_train_exactly(runs, plan):
+    results, refs = runs
+    _check_exact(results[0]["frozen"][plan], refs["frozen"])
+    # frozen weights did not move
+    start = make_model(torch.float32, variant="frozen")
+    for name, param in start.named_parameters():
+        if not param.requires_grad:
+            assert torch.equal(results[0]["frozen"][plan]["weights"][name], param.detach()), name
+
+
+def _elements(params, s):
+    """Elements of ``params`` with each dim 0 padded to a multiple of s, per rank."""
+    return sum(math.ceil(p.shape[0] / s) * (p.numel() // p.shape[0]) for p in params)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
+def test_frozen_parameters_hold_p_but_no_g_or_os(runs, plan):
+    results, _ = runs
+    s_p, s_g, s_os = plan
+    model = make_model(torch.float32, variant="frozen")
+    units = [list(b.parameters()) for b in model.layers]
+    in_blocks = {id(p) for u in units for p in u}
+    units.append([p for p in model.parameters() if id(p) not in in_blocks])
+    trainable = [[p for p in u if p.requires_grad] for u in units]
+    every = [p for u in units for p in u]
+    for rank, result in enumerate(results):
+        mem = result["frozen"][plan]["memory"]
+        # P: every parameter, frozen ones included (FSDP's padded shard; whole if s_p = 1)
+        assert mem["param"] == 4 * _elements(every, s_p), (rank, mem)
+        # G (read after the first, no_sync micro-batch): trainable parameters only
+        assert mem["grad"] == 4 * sum(_elements(u, s_g) for u in trainable), (rank, mem)
+    # OS: one shard group holds exactly one fp32 master + 2 AdamW states of the trainable
+    phi_trainable = sum(p.numel() for u in trainable for p in u)
+    assert sum(results[r]["frozen"][plan]["memory"]["optim"] for r in range(s_os)) == 12 * phi_trainable
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
+def test_tied_weights_in_two_units_are_refused(runs, plan):
+    results, _ = runs
+    for result in results:
+        messages = result["tied_split"][plan]
+        for separate, other in (("output", "tok_embeddings"), ("tok_embeddings", "output")):
+            message = messages[separate]
+            assert message is not None and message.startswith("tied parameters:"), message
+            assert f"'{other}.weight'" in message and f"'{separate}'" in message, message
+            assert "\n" not in message
+
+
+@pytest.mark.parametrize("plan", TIED_EXACT_PLANS, ids=[f"p{a}-g{b}-os{c}" for a, b, c in TIED_EXACT_PLANS])
+def test_tied_weights_in_one_unit_train_exactly(runs, plan):
+    results, refs = runs
+    case = results[0]["tied"][plan]
+    _check_exact(case, refs["tied"])
+
+
+def test_optimizers_outside_the_elementwise_list_are_refused(runs):
+    results, _ = runs
+    for result in results:
+        for name, message in result["optimizers"].items():
+            assert message is not None, name
+            assert name in message and "elementwise" in message and "\n" not in message, message
