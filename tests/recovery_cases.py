@@ -5,6 +5,8 @@ interrupted. Runs inside the world-4 process group; every rank raises at the sam
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -53,7 +55,7 @@ def _train(rank, world, plan, fail_at=None):
             for micro in range(MICRO_BATCHES):
                 mb = local_micro_batch(batch, rank, world, micro)
                 last = micro == MICRO_BATCHES - 1
-                with amsp.no_sync(model) if not last else _Null():
+                with amsp.no_sync(model) if not last else contextlib.nullcontext():
                     fail_here = fail_at == (step, micro) and failures == 0
                     hook = _inject(model, FAILURES[plan][1]) if fail_here else None
                     try:
@@ -100,10 +102,3 @@ def run_recovery_cases(rank, world):
         out[plan] = {"clean": clean, "retried": failed}
     return out
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

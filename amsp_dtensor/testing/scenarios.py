@@ -3,6 +3,8 @@ reference on the same global batch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -126,13 +128,13 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     recorder = amsp.CommRecorder()
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
-        ctx = amsp.record_comms(recorder) if step == record_step else _null()
+        ctx = amsp.record_comms(recorder) if step == record_step else contextlib.nullcontext()
         step_loss = torch.zeros(1)
         with ctx:
             for micro in range(micro_batches):
                 mb = local_micro_batch(batch, rank, world_size, micro)
                 last = micro == micro_batches - 1
-                with _null() if last else amsp.no_sync(model):
+                with contextlib.nullcontext() if last else amsp.no_sync(model):
                     loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
                     loss.backward()
                 step_loss += loss.detach().float()
@@ -182,10 +184,3 @@ def _land_by(method: int, model, optim, micro_batch) -> None:
         with torch.no_grad():
             model(micro_batch[:, :-1])
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
