@@ -4,8 +4,9 @@ Each param gets an fp32 master DTensor with OS placements (layouts.OS_PLACEMENTS
 rank's 1/s_os of the rows, a sub-chunk of its own P shard, so building it needs no
 communication. The wrapped optimizer steps the local shards as plain tensors, which is exact
 when the update of each element depends on that element alone (torch's SGD, Adam, AdamW,
-...: ELEMENTWISE_OPTIMIZERS); any other class is refused at construction with what it would
-need (whole rows and columns for Adafactor's factored moments, whole-tensor norms, ...).
+...: ELEMENTWISE_OPTIMIZERS). Adafactor, whose update reads whole rows, columns and norms,
+runs a sharding-aware version that sums those over the shard group (SHARDED_OPTIMIZERS);
+any other class is refused at construction with what it would need.
 DTensor dispatch would see whole tensors, but torch 2.13 cannot run such updates on the
 multi-dim OS placements in place, and made AdamW's step ~10x slower here. ``state_dict()``
 hands out DTensors in the OS layout, sharing storage with what the optimizer updates.
@@ -33,9 +34,10 @@ from . import compat, param_update
 from . import grad as grad_path
 from .layouts import OS_PLACEMENTS, chunk_rows, gather_full
 from .lifecycle import StepState
+from .sharded_adafactor import ShardedAdafactor, shard_group_all_reduce
 from .state import AMSPState, AMSPUnit, find_state
 
-__all__ = ["AMSPOptimizer", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["AMSPOptimizer", "ELEMENTWISE_OPTIMIZERS", "SHARDED_OPTIMIZERS"]
 
 # Exact classes whose step touches each element on its own (no norms or reductions):
 # safe to run on local shards. Subclasses may not be, so they take the DTensor path.
@@ -53,10 +55,12 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 
+# Optimizers whose update reads whole tensors, run by a sharding-aware implementation
+# that sums the partial reductions over the shard group (exact, see sharded_adafactor.py).
+SHARDED_OPTIMIZERS = {torch.optim.Adafactor: ShardedAdafactor}
+
 # what a refused optimizer's update reads beyond the element it updates
 _NEEDS = {
-    "Adafactor": "row and column means of each whole 2-D gradient (its factored second "
-                 "moment) and the norms of each whole parameter and update",
     "LBFGS": "a closure and the whole flattened parameter and gradient vectors",
     "SparseAdam": "sparse gradients, which the engine's flat buffers do not carry",
 }
@@ -65,7 +69,7 @@ _NEEDS = {
 def _not_elementwise_message(cls: type) -> str:
     needs = _NEEDS.get(cls.__name__, "values outside the element it updates (or is a subclass "
                                       "the engine cannot vouch for)")
-    supported = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    supported = ", ".join(c.__name__ for c in (*ELEMENTWISE_OPTIMIZERS, *SHARDED_OPTIMIZERS))
     return (
         f"{cls.__name__} is not an elementwise optimizer: each rank steps only its OS shard (a "
         f"block of rows of every tensor), and {cls.__name__} needs {needs}; use one of "
@@ -103,7 +107,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "optimizer_class must be a torch.optim.Optimizer subclass such as "
                 f"torch.optim.AdamW, got {optimizer_class!r}"
             )
-        if optimizer_class not in ELEMENTWISE_OPTIMIZERS:
+        if optimizer_class not in ELEMENTWISE_OPTIMIZERS and optimizer_class not in SHARDED_OPTIMIZERS:
             raise ValueError(_not_elementwise_message(optimizer_class))
         if not isinstance(overlap_param_update, bool):
             raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
@@ -133,7 +137,14 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._fqns.extend(unit.param_fqns)
         # Plain Parameters sharing storage with the master DTensors' local shards.
         self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
-        self.inner = optimizer_class(self._opt_params, **optimizer_kwargs)
+        if optimizer_class in SHARDED_OPTIMIZERS:
+            self.inner = SHARDED_OPTIMIZERS[optimizer_class](
+                self._opt_params, global_shapes=[m.shape for m in self._masters],
+                all_reduce=shard_group_all_reduce(self._model_state.collectives),
+                **optimizer_kwargs,
+            )
+        else:
+            self.inner = optimizer_class(self._opt_params, **optimizer_kwargs)
         super().__init__(self._opt_params, self.inner.defaults)
         # One source of truth: schedulers and users edit the wrapped optimizer's groups.
         self.param_groups = self.inner.param_groups
@@ -218,9 +229,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+        """This rank's rows of a tensor sharded like ``like`` (same rows; its trailing dims
+        may differ, as Adafactor's row factor's do)."""
+        shape = torch.Size((like.shape[0], *local.shape[1:]))
         return DTensor.from_local(
             local, like.device_mesh, OS_PLACEMENTS, run_check=False,
-            shape=like.shape, stride=like.stride(),
+            shape=shape, stride=_contiguous_stride(shape),
         )
 
     def _local_grads(self) -> list[torch.Tensor]:
@@ -324,7 +338,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         for index, (fqn, master) in enumerate(zip(self._fqns, self._masters)):
             entry = {"master": master.detach()}
             for key, value in inner["state"].get(index, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == master.to_local().shape and value.dim() > 0:
+                if _row_sharded(key, value, master.to_local()):
                     value = self._as_dtensor(value, master)
                 entry[key] = value
             state[fqn] = entry
@@ -396,7 +410,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
             master = self._masters[i]
             converted = {}
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                # row-sharded states come as DTensors (or, from a full-tensor dict, shaped
+                # like the param); others (Adafactor's column factor, step) are replicated
+                if isinstance(value, DTensor) or (
+                    isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
+                ):
                     value = self._to_os_layout(value, master)
                 if key == "master":
                     master.to_local().copy_(value.to_local())
@@ -424,14 +442,16 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 return value
             value = gather_full(value)
         full = value.to(like.dtype)
-        if full.shape != like.shape:
+        if full.dim() != like.dim() or (full.dim() and full.shape[0] != like.shape[0]):
             raise ValueError(f"optimizer state of shape {tuple(full.shape)} does not fit param {tuple(like.shape)}")
         local = like.to_local()
         offset = _global_row_offset(like)
-        rows = full.reshape(full.shape[0] if full.dim() else 1, -1)[offset : offset + (local.shape[0] if local.dim() else 1)]
+        n_rows = local.shape[0] if local.dim() else 1
+        rows = full.reshape(full.shape[0] if full.dim() else 1, -1)[offset : offset + n_rows]
+        local_shape = (n_rows, *full.shape[1:]) if full.dim() else ()
         return DTensor.from_local(
-            rows.reshape(local.shape).clone(), like.device_mesh, like.placements,
-            run_check=False, shape=like.shape, stride=like.stride(),
+            rows.reshape(local_shape).clone(), like.device_mesh, like.placements,
+            run_check=False, shape=full.shape, stride=_contiguous_stride(full.shape),
         )
 
     def memory_bytes(self) -> int:
@@ -446,6 +466,14 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
                     total += value.numel() * value.element_size()
         return total
+
+
+def _row_sharded(key: str, value, master_local: torch.Tensor) -> bool:
+    """Whether an optimizer state holds one value per row of the master (sharded with it):
+    states shaped like the param, and Adafactor's row factor."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    return value.shape == master_local.shape or key == "row_var"
 
 
 def _global_row_offset(dtensor: DTensor) -> int:

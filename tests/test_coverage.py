@@ -2,8 +2,9 @@
 one process group for the module: frozen parameters (LoRA-style: frozen embeddings and the
 attention half of every block) train exactly like single-process training and hold no G
 or OS; tied weights split over two units are refused with one line naming both modules,
-and train exactly when they share one unit; optimizers outside the elementwise list are
-refused at construction."""
+and train exactly when they share one unit; Adafactor (factored second moments over whole
+rows and columns) trains exactly like torch.optim.Adafactor in one process; other
+optimizers outside the elementwise list are refused at construction."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def _refused_optimizer(rank, world):
         amsp.fully_shard(block, mesh=mesh, plan=sharding)
     amsp.fully_shard(model, mesh=mesh, plan=sharding)
     out = {}
-    for cls in (torch.optim.Adafactor, torch.optim.LBFGS):
+    class MyAdamW(torch.optim.AdamW):  # a subclass may change the update: refused too
+        pass
+
+    for cls in (torch.optim.LBFGS, MyAdamW):
         try:
             amsp.AMSPOptimizer(model, cls, lr=1e-2)
             out[cls.__name__] = None
@@ -62,9 +66,38 @@ def _refused_optimizer(rank, world):
     return out
 
 
+def _adafactor_moves_between_plans(rank, world):
+    """Adafactor's state (row factors sharded with the rows, column factors whole) saved
+    under one plan continues under another like the run that never moved."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    import amsp_dtensor as amsp
+    from extra_cases import _build, _train
+
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    source = _build((2, 2, 4))
+    source_optim = amsp.AMSPOptimizer(source, torch.optim.Adafactor, **kwargs)
+    _train(source, source_optim, rank, world, 2)
+    full = StateDictOptions(full_state_dict=True)
+    model_state = get_model_state_dict(source, options=full)
+    optim_state = source_optim.state_dict()
+    target = _build((1, 4, 4))
+    set_model_state_dict(target, model_state, options=full)
+    target_optim = amsp.AMSPOptimizer(target, torch.optim.Adafactor, **kwargs)
+    target_optim.load_state_dict(optim_state)
+    return {"source": _train(source, source_optim, rank, world, 2, first_step=2),
+            "target": _train(target, target_optim, rank, world, 2, first_step=2)}
+
+
 def _all_cases(rank, world):
-    out = {"frozen": {}, "tied": {}, "tied_split": {}}
+    out = {"frozen": {}, "tied": {}, "tied_split": {}, "adafactor": {}}
     for plan in PLANS:
+        out["adafactor"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
+                                               STEPS, optimizer="adafactor")
         out["frozen"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
                                             STEPS, variant="frozen")
         out["tied_split"][plan] = {sep: _tied_split(rank, world, plan, sep)
@@ -73,6 +106,7 @@ def _all_cases(rank, world):
         out["tied"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
                                           STEPS, variant="tied")
     out["optimizers"] = _refused_optimizer(rank, world)
+    out["adafactor_moved"] = _adafactor_moves_between_plans(rank, world)
     return out
 
 
@@ -81,6 +115,8 @@ def runs():
     results = run_on_ranks(_all_cases, WORLD, PER_NODE, timeout=600)
     refs = {v: reference_training(WORLD, MICRO_BATCHES, STEPS, torch.float32, variant=v)
             for v in ("frozen", "tied")}
+    refs["adafactor"] = reference_training(WORLD, MICRO_BATCHES, STEPS, torch.float32,
+                                           optimizer="adafactor")
     return results, refs
 
 
@@ -144,6 +180,27 @@ def test_tied_weights_in_one_unit_train_exactly(runs, plan):
     results, refs = runs
     case = results[0]["tied"][plan]
     _check_exact(case, refs["tied"])
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
+def test_adafactor_trains_exactly(runs, plan):
+    results, refs = runs
+    case = results[0]["adafactor"][plan]
+    _check_exact(case, refs["adafactor"])
+    start = make_model(torch.float32)
+    moved = max((case["weights"][n] - p.detach()).abs().max().item() for n, p in start.named_parameters())
+    assert moved > 1e-3, moved  # it trained (so agreement is not two idle runs)
+    for other in results[1:]:
+        assert other["adafactor"][plan]["losses"] == case["losses"]
+
+
+def test_adafactor_state_moves_between_plans(runs):
+    results, _ = runs
+    for result in results:
+        moved = result["adafactor_moved"]
+        # the two plans sum grads in different orders: fp32 drift only
+        for a, b in zip(moved["target"], moved["source"]):
+            assert abs(a - b) / abs(b) <= 1e-5, moved
 
 
 def test_optimizers_outside_the_elementwise_list_are_refused(runs):

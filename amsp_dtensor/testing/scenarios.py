@@ -14,6 +14,11 @@ SEQ_LEN = 16
 MICRO_BATCH = 2  # samples per rank per micro-batch
 LR = 1e-3
 MAX_NORM = 0.5
+# optimizer name -> (class, kwargs) for both the reference and AMSP
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": LR, "weight_decay": 0.1}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.1}),
+}
 
 
 def global_batches(step: int, world_size: int, micro_batches: int, cfg: TinyLlamaConfig):
@@ -64,13 +69,15 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, variant=""):
+def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, variant="",
+                       optimizer="adamw"):
     """One process, whole global batch, fp32 master weights + AdamW, same clipping; the
     weights after each of the first ``read_steps`` steps in "step_weights"."""
     model = make_model(dtype, variant=variant)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
-    optim = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    optim = cls(masters, **kwargs)
     losses, norms, step_weights = [], [], []
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
@@ -97,7 +104,7 @@ def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, va
 
 
 def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1,
-                  overlap=False, reduce_dtype=None, read_steps=0, variant=""):
+                  overlap=False, reduce_dtype=None, read_steps=0, variant="", optimizer="adamw"):
     """Train under ``plan`` (a (s_p, s_g, s_os) tuple); returns losses, norms, the final
     full weights (rank 0), this rank's memory per state, and one step's CommEvents.
 
@@ -106,7 +113,8 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     ``overlap`` (``overlap_param_update=True``) after, in turn, ``wait_param_update()``,
     ``model.state_dict()`` and a forward; "stale_before_wait" then says whether step 0's
     weights read before the wait were the old ones. ``reduce_dtype``: a
-    MixedPrecisionPolicy(reduce_dtype=...) for every unit. ``variant``: MODEL_VARIANTS.
+    MixedPrecisionPolicy(reduce_dtype=...) for every unit. ``variant``: MODEL_VARIANTS;
+    ``optimizer``: OPTIMIZERS.
     """
     import amsp_dtensor as amsp
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -119,8 +127,8 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=policy)
     amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=policy)
-    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1,
-                               overlap_param_update=overlap)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    optim = amsp.AMSPOptimizer(model, cls, overlap_param_update=overlap, **kwargs)
     losses, norms, memory, step_weights = [], [], {}, []
     stale_before_wait = None
     # Events land when their collective completes (with overlap, the post-step all-gather
