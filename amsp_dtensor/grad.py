@@ -184,6 +184,19 @@ def fsdp_grad_hook(unit: AMSPUnit):
     return hook
 
 
+def drop_fsdp_grad_views(unit: AMSPUnit) -> None:
+    """FSDP2 views its reduce-scatter output as each sharded param's ``.grad`` right after
+    our all-reduce hook has taken the buffer, then runs the param's post-accumulate-grad
+    hooks: dropping the view there frees it at once, instead of at the next unit's hook
+    (``BackwardPass.fsdp_grads_to_drop`` stays as the fallback for params FSDP swapped)."""
+
+    def hook(param: torch.Tensor) -> None:
+        param.grad = None
+
+    for param in unit.params:
+        param.register_post_accumulate_grad_hook(hook)
+
+
 def register_param_hooks(unit: AMSPUnit) -> None:
     """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path."""
     hook = _param_grad_hook(unit)

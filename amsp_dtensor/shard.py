@@ -212,6 +212,7 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)
         module.set_all_reduce_hook(grad_path.fsdp_grad_hook(unit), stream=grad_stream)
+        grad_path.drop_fsdp_grad_views(unit)
         module.set_custom_all_gather(RecordingAllGather(collectives))
         module.set_custom_reduce_scatter(RecordingReduceScatter(collectives))
     else:
