@@ -40,7 +40,8 @@ def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor) -> None:
     if flat_p.numel() != unit.p_layout.numel:
         raise RuntimeError(
             f"AMSP unit {unit.name}: got {flat_p.numel()} gradient elements, expected "
-            f"{unit.p_layout.numel}; unused or frozen parameters inside a unit are not supported"
+            f"{unit.p_layout.numel}; a trainable parameter that gets no gradient in a backward "
+            "(unused in forward) is not supported inside a unit: freeze it (requires_grad=False)"
         )
     backward = _begin_backward(state)
     backward.fired.add(id(unit))
