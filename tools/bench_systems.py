@@ -206,8 +206,9 @@ class AMSPSystem(System):
         if os.environ.get("AMSP_BENCH_PREFETCH", "1") != "0":  # diagnostic switch
             set_prefetch(model, blocks)
         self.model = model
+        # the post-step all-gather overlaps the next forward, as in the paper's engine
         self.optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=lr, weight_decay=0.1,
-                                        foreach=True)
+                                        foreach=True, overlap_param_update=True)
 
     def no_sync(self, last: bool):
         return contextlib.nullcontext() if last else self.amsp.no_sync(self.model)
