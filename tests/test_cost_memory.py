@@ -115,3 +115,34 @@ def test_activation_formula_equals_saved_tensors(titan_model, dtype_name, e):
     # root minus token ids (saved by the embedding before the clear), plus the 4-byte
     # total_weight scalar of nll_loss
     assert root_tail == b * s * (root_activation_bytes_per_token(m, e) - 8) + 4
+
+
+def test_reduce_dtype_reserve_and_fused_norm():
+    from amsp_dtensor.cost.comm import predicted_events
+    from amsp_dtensor.cost.memory import estimate_memory, state_bytes
+    from amsp_dtensor.cost.models import MODELS
+    from amsp_dtensor.plan import ShardingPlan
+
+    m = MODELS["llama3_debugmodel"]
+    units = m.unit_param_shapes()
+    rp = ShardingPlan(2, 4, 4).resolve(4, 2)
+    bf16 = state_bytes(units, 2, 4, 4, 2)
+    fp32_grads = state_bytes(units, 2, 4, 4, 2, grad_dtype_bytes=4)
+    assert (fp32_grads.param, fp32_grads.grad, fp32_grads.optim) == (
+        bf16.param, 2 * bf16.grad, bf16.optim)
+    base = estimate_memory(m, rp, 256, 2)
+    red = estimate_memory(m, rp, 256, 2, reduce_dtype="fp32", reserve_bytes=3 << 30)
+    assert red.reserve == 3 << 30
+    big_unit = max(padded for padded in (
+        sum(-(-s[0] // 2) * 2 * (s[1] if len(s) > 1 else 1) for s in u) for u in units))
+    # G doubles; the unit's unsharded grads gain a 4-byte copy for the reduce-scatter
+    assert red.total - base.total == (3 << 30) + bf16.grad + 4 * big_unit
+    fused = estimate_memory(m, rp, 256, 2, norm="fused")
+    h, L, tokens = m.dim, m.n_layers, 256 * 2
+    per_norm = (4 * h + 4 * h + 4 + 2 * h) - (2 * h + 4 + 2 * h)
+    assert base.activations - fused.activations == tokens * (2 * L + 1) * per_norm
+    # gradient collectives carry the reduce dtype, the all-gathers the param dtype
+    ev2 = predicted_events(rp, units, 2, 2, m.root_unit_index)
+    ev4 = predicted_events(rp, units, 2, 2, m.root_unit_index, reduce_dtype_bytes=4)
+    for a, b in zip(ev2, ev4):
+        assert b.nbytes == (2 * a.nbytes if a.op != "all_gather" else a.nbytes), (a, b)

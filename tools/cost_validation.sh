@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Check the planner's cost model against real CPU runs (issue 3, must-show 2 and 3):
+# Check the planner's cost model against real CPU runs (docs/planner.md, "Validation"):
 # a bandwidth profile, then per plan one timed run (communication) and one run under an
 # allocator that returns freed memory (peak memory), then the comparison tables.
 #
 #   bash tools/cost_validation.sh [OUT_DIR] [PLANS...]
 #
 # 4 ranks as 2 "nodes" of 2 on this machine, gloo over loopback, fp32 debugmodel.
-# About 80 s for the profile and 30-50 s per plan and kind of run: ~8 min for 6 plans.
+# About 80 s for the profile and 30-50 s per plan and kind of run: 7-13 min for 6 plans,
+# more when other jobs load the machine (the timing is only meaningful on a quiet one).
 set -euo pipefail
 out=${1:-outputs/cost_validation}
 shift || true

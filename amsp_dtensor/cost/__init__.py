@@ -13,14 +13,18 @@ from .comm import (
 )
 from .memory import estimate_memory, state_bytes
 from .models import MODELS, ModelShape, get_model
+from .nccl import NcclModel
 from .planner import NoPlanFits, PlanReport, auto_plan, choose_plan
+from .step import ComputeModel, StepTime, step_time
 
 __all__ = [
     "AlphaBeta",
     "BandwidthTable",
     "BandwidthTableError",
+    "ComputeModel",
     "MODELS",
     "ModelShape",
+    "NcclModel",
     "NoPlanFits",
     "PlanReport",
     "PlannedComm",
@@ -34,5 +38,7 @@ __all__ = [
     "recorded_counter",
     "state_bytes",
     "step_comm_time",
+    "step_time",
+    "StepTime",
     "time_breakdown",
 ]
