@@ -83,7 +83,7 @@ def test_schedule_root_ddp_zero1_and_hpz():
 
 
 def test_never_any_collective_but_p_and_g_before_the_last_micro_batch():
-    """DESIGN.md: on non-last micro-batches only P traffic and the G reduce-scatter."""
+    """On non-last micro-batches only P traffic and the G reduce-scatter."""
     for plan in enumerate_plans(16, 4):
         for e in predicted_events(plan, [[(64, 8)]], 4, 2, None):
             if e.count > 1:

@@ -1,4 +1,5 @@
-"""The plan rules (PAPER.md, dependency rules) against hand-enumerated worlds."""
+"""The plan rules (the AMSP paper's dependency rules between the factors) against
+hand-enumerated worlds."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """Communication model: the per-step schedule of collectives for a plan, and its time.
 
-The schedule is the one the engine issues (team brief, "Exact per-step schedule"), per FSDP
+The schedule is the one the engine issues (docs/layouts.md, the per-step schedule), per FSDP
 unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
 
   s_p > 1, every micro-batch:   AG over "p"  nbytes padded(U,s_p)   forward

@@ -103,7 +103,7 @@ def _chunk_len(n_rows: int, k: int, index: int) -> int:
 
 
 def mesh_coords(plan: ResolvedPlan, rank: int) -> dict[str, int]:
-    """Mesh coordinates of a rank: rank = rep*s_os + os*s_g + g*s_p + p (brief)."""
+    """Mesh coordinates of a rank: rank = rep*s_os + os*s_g + g*s_p + p (docs/layouts.md)."""
     return {
         "p": rank % plan.s_p,
         "g": (rank // plan.s_p) % (plan.s_g // plan.s_p),

@@ -2,7 +2,7 @@
 
 A tensor with dim0 = d0 and cols = numel/d0 sharded over s ranks holds ceil(d0/s) rows on
 every rank (the last ranks hold padding), so the whole padded tensor is s*ceil(d0/s)*cols
-elements (brief: padded(U, s) = e * sum_params s * ceil(d0/s) * cols).
+elements (padded(U, s) = e * sum_params s * ceil(d0/s) * cols).
 """
 
 from __future__ import annotations

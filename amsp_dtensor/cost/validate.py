@@ -1,4 +1,5 @@
-"""Check the cost model against a real CPU run of the engine (must-show 2 and 3).
+"""Check the cost model against a real CPU run of the engine
+(docs/planner.md, "Validation against real runs").
 
     torchrun --nproc_per_node 4 -m amsp_dtensor.cost.validate --plan 2,2,4 \
         --ranks-per-node 2 --table bw.json --out result.json
