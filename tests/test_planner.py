@@ -206,3 +206,11 @@ def test_cli_malformed_table_subprocess(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "malformed bandwidth table" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_rank_by_comm_sum():
+    r = choose_plan("llama_7b", memory_budget_bytes=80 * GiB, rank_by="comm", **PAPER)
+    fitting = [c for c in r.candidates if c.fits]
+    assert r.best.comm_seconds == min(c.comm_seconds for c in fitting)
+    with pytest.raises(ValueError, match="rank_by"):
+        choose_plan("llama_7b", memory_budget_bytes=80 * GiB, rank_by="fast", **PAPER)

@@ -254,7 +254,9 @@ def estimate_plan(
 STEP_TIME_TIE = 0.01
 
 
-def _rank(estimates) -> list[PlanEstimate]:
+def _rank(estimates, rank_by: str = "step") -> list[PlanEstimate]:
+    if rank_by == "comm":  # the paper's objective: the no-overlap communication sum
+        return sorted(estimates, key=lambda e: (e.comm_seconds, e.memory.total))
     est = sorted(estimates, key=lambda e: (e.step_seconds, e.memory.total))
     if not est:
         return est
@@ -272,6 +274,7 @@ def choose_plan(
     require_fit: bool = True, norm: str = "composite", reduce_dtype: str | None = None,
     reserve_bytes: int = 0, compute: ComputeModel | None = None,
     overlap_param_update: bool = False, cluster: NcclModel | None = None,
+    rank_by: str = "step",
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -283,6 +286,9 @@ def choose_plan(
       time model. reserve_bytes: memory outside tensors, added to every plan's total.
     compute: ComputeModel (FLOP rate) for the step time; overlap_param_update: whether the
       post-step all-gather overlaps the next forward (the engine's default: no).
+    rank_by: "step" (predicted step time with overlap; within 1% by comm sum) or "comm"
+      (the no-overlap communication sum alone, e.g. for a CPU run whose compute rate is
+      not the GPU default).
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .to_toml(), .as_dict().
     """
@@ -311,7 +317,9 @@ def choose_plan(
                   overlap_param_update=overlap_param_update)
     estimates = [estimate_plan(shape, p, **common)
                  for p in enumerate_plans(world_size, ranks_per_node)]
-    fitting = _rank(e for e in estimates if e.fits)
+    if rank_by not in ("step", "comm"):
+        raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
+    fitting = _rank((e for e in estimates if e.fits), rank_by)
     if not fitting and require_fit:
         raise NoPlanFits(int(memory_budget_bytes), min(estimates, key=lambda e: e.memory.total))
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total)
