@@ -103,3 +103,16 @@ def test_comparison_table_covers_the_four_shapes():
         if line.startswith("| 8 nodes x 8") or line.startswith("| 1 node x 8"):
             cells = [c.strip() for c in line.strip("|").split("|")]
             assert cells[3:7] == cells[7:11]
+
+
+def test_measured_table_overrides_where_it_has_data():
+    from amsp_dtensor.cost.bandwidth import parse_table
+    from amsp_dtensor.cost.planner import TableOverDefaults
+
+    table = parse_table({"schema": "amsp_dtensor.bandwidth/1", "entries": [
+        {"op": "all_gather", "group_size": 8, "stride": 1, "group_ranks_per_node": 8,
+         "group_nodes": 1, "inter_node": False, "points": [[1000, 1e-3], [10**6, 2e-3]]}]})
+    tm = TableOverDefaults(table, M)
+    assert tm.time("all_gather", 10**6, IN_NODE) == pytest.approx(2e-3)  # measured
+    assert tm.time("all_reduce", 10**6, IN_NODE) == M.time("all_reduce", 10**6, IN_NODE)
+    assert tm.defaulted == {("all_reduce", 8, 1)}
