@@ -28,6 +28,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch._utils", "_get_available_device_type"),
     ("torchtitan.protocols.train_spec", "_extra_train_specs"),
+    ("torchtitan.models", "_supported_models"),
+    ("torchtitan.models.llama3.infra.parallelize", "_op_sac_save_list"),
+    ("torchtitan.models.qwen3.infra.parallelize", "_op_sac_save_list"),
     ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     ("torch.cuda", "_sleep"),
 )
@@ -164,3 +167,16 @@ def titan_extra_train_specs() -> dict:
     from torchtitan.protocols import train_spec
 
     return train_spec._extra_train_specs
+
+
+def titan_builtin_models() -> frozenset:
+    """Names of the model folders torchtitan 0.2.2 ships (``torchtitan.models``)."""
+    import torchtitan.models as models
+
+    return frozenset(models._supported_models)
+
+
+def titan_sac_save_list(module) -> set | None:
+    """The ops a torchtitan model's parallelize module saves under selective activation
+    checkpointing (``_op_sac_save_list``, passed to ``apply_ac``); None if it has none."""
+    return getattr(module, "_op_sac_save_list", None)

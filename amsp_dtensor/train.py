@@ -2,10 +2,12 @@
 
 What it adds to ``python -m torchtitan.train``:
   1. the CPU shims (only when no accelerator exists), before torchtitan is imported;
-  2. the [amsp] section and the llama3_amsp TrainSpec without needing the two plug-in
-     lines in the TOML (they are added if missing);
-  3. validation of [amsp] before any process group or model exists: a bad setting stops
-     every rank with one line naming the key, and a non-zero exit code (2);
+  2. the [amsp] section and the AMSP TrainSpecs (``llama3_amsp``, ``qwen3_amsp``, and
+     ``<name>_amsp`` for any other registered TrainSpec ``<name>``, built on demand)
+     without needing the two plug-in lines in the TOML (they are added if missing);
+  3. validation of [amsp] and of the model (MoE flavors are refused) before any process
+     group or model exists: a bad setting stops every rank with one line naming the key,
+     and a non-zero exit code (2);
   4. the offline tokenizer and corpus, built on first run when the config points into
      amsp_dtensor.data.DEFAULT_ROOT (outputs/amsp_data), and HF_HOME kept there;
   5. AmspTrainer: torchtitan's Trainer with no_sync on all but the last micro-batch.
@@ -39,7 +41,7 @@ def parse_job_config(argv: list[str]):
     """torchtitan's ConfigManager, after checking the TOML's [amsp] keys ourselves."""
     import importlib
 
-    import amsp_dtensor.titan  # noqa: F401  (CPU shims, llama3_amsp TrainSpec)
+    import amsp_dtensor.titan  # noqa: F401  (CPU shims, the AMSP TrainSpecs)
     from torchtitan.config import ConfigManager
 
     from amsp_dtensor.titan.validate import check_toml_keys
@@ -62,6 +64,11 @@ def parse_job_config(argv: list[str]):
         raise UsageError(str(e).splitlines()[0]) from None
     if config.experimental.custom_import:
         importlib.import_module(config.experimental.custom_import)
+    from amsp_dtensor.titan import ensure_registered
+
+    ensure_registered(config.model.name)  # <name>_amsp for any registered <name>
+    config._amsp_in_toml = bool((toml_values or {}).get("amsp")) or any(
+        a.startswith("--amsp.") for a in argv)
     return config
 
 
@@ -92,12 +99,26 @@ def quiet_other_ranks() -> None:
 
 
 def check_amsp(job_config):
-    """Validate [amsp] for this world (WORLD_SIZE / LOCAL_WORLD_SIZE); None if not an AMSP model."""
-    from amsp_dtensor.titan import resolve_plan, uses_amsp
+    """Validate [amsp] and the model for this world (WORLD_SIZE / LOCAL_WORLD_SIZE);
+    None if not an AMSP model."""
+    from amsp_dtensor.titan import amsp_name, check_model, resolve_plan, uses_amsp
 
     if not uses_amsp(job_config.model.name):
+        amsp_cfg = getattr(job_config, "amsp", None)
+        if getattr(job_config, "_amsp_in_toml", False) and not (
+            amsp_cfg is not None and amsp_cfg.init_like_single_process
+        ):
+            from torchtitan.tools.logging import logger
+
+            logger.warning(
+                f"model.name={job_config.model.name!r} uses torchtitan's own parallelism; the "
+                f"[amsp] settings are not used (for AMSP: --model.name "
+                f"{amsp_name(job_config.model.name)})"
+            )
         return None
-    return resolve_plan(job_config)
+    plan = resolve_plan(job_config)
+    check_model(job_config)
+    return plan
 
 
 def run(job_config) -> None:

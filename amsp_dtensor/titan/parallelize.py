@@ -1,12 +1,19 @@
-"""The AMSP parallelize_fn: torchtitan's llama3 recipe with FSDP2 swapped for amsp.fully_shard.
+"""The AMSP parallelize_fn: a torchtitan model's recipe with FSDP2 swapped for amsp.fully_shard.
 
-Mirrors torchtitan.models.llama3.infra.parallelize.parallelize_llama for everything AMSP
-does not replace (activation checkpointing, per-block torch.compile, mixed precision), by
-calling torchtitan's own helpers, then shards bottom-up like apply_fsdp: every transformer
-block is one AMSP unit, the root (embeddings, final norm, output) is the last.
+``amsp_parallelize_fn(base_fn)`` builds it for any dense torchtitan TrainSpec whose model
+keeps its transformer blocks in ``model.layers`` (llama3, qwen3, ...). It mirrors the base
+parallelize_fn (e.g. parallelize_llama, parallelize_qwen3) for everything AMSP does not
+replace (activation checkpointing with that model's selective-AC op list, per-block
+torch.compile, mixed precision) by calling the helpers of the base's own module, then shards
+bottom-up like apply_fsdp: every transformer block is one AMSP unit, the root (embeddings,
+final norm, output) is the last. Tied weights (qwen3's output = tok_embeddings) therefore
+sit in one unit, the root, as the engine requires.
 """
 
 from __future__ import annotations
+
+import importlib
+import inspect
 
 import torch
 import torch.nn as nn
@@ -15,9 +22,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_compile
+from torchtitan.models.llama3.infra import parallelize as _llama3_parallelize
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
+
+from ..compat import titan_sac_save_list
 
 from .validate import AmspConfigError, resolve_plan
 from .weights import init_full_model, keep_weights
@@ -39,7 +48,7 @@ def _check_parallelism(parallel_dims: ParallelDims) -> None:
     ):
         if degree != 1:
             raise AmspConfigError(
-                f"parallelism.{name}={degree}: llama3_amsp shards data-parallel states only; "
+                f"parallelism.{name}={degree}: AMSP shards data-parallel states only; "
                 "set it to 1 (AMSP with TP/CP/PP is not implemented)"
             )
 
@@ -53,49 +62,97 @@ def _mixed_precision(job_config) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
-def parallelize_llama_amsp(model: nn.Module, parallel_dims: ParallelDims, job_config):
-    import amsp_dtensor as amsp
+def _compile_blocks(apply_compile, model: nn.Module, compile_config) -> None:
+    """The base module's per-block compile; llama4's (used by qwen3) also takes ep_enabled."""
+    if "ep_enabled" in inspect.signature(apply_compile).parameters:
+        apply_compile(model, compile_config, ep_enabled=False)
+    else:
+        apply_compile(model, compile_config)
 
-    _check_parallelism(parallel_dims)
-    plan = resolve_plan(job_config, world=parallel_dims.world_size)
 
-    # Same order as parallelize_llama: AC wrapping, then per-block compile, then sharding.
-    compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if job_config.activation_checkpoint.mode != "none":
-        apply_ac(
-            model,
-            job_config.activation_checkpoint,
-            model_compile_enabled=compile_model,
-            op_sac_save_list=_op_sac_save_list,
-            base_folder=job_config.job.dump_folder,
-        )
-    if compile_model:
-        apply_compile(model, job_config.compile)
-
-    full_init = job_config.amsp.init_full_model
-    if full_init:
-        # Same seed, whole model, every rank: all plans start from identical weights.
-        # torchtitan's later to_empty/init_weights are then kept off it (keep_weights).
-        init_full_model(model, job_config)
-    # else: shard the meta model; torchtitan's Trainer materialises and initialises the
-    # shards afterwards (to_empty + init_weights), as with its own FSDP path.
-
-    sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node, device_type=device_type)
-    mp_policy = _mixed_precision(job_config)
-    raf = job_config.amsp.reshard_after_forward
-    for block in model.layers.values():
-        amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=mp_policy,
-                         reshard_after_forward=raf)
-    amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=mp_policy)
-    # torchtitan divides the loss by the global token count itself (Trainer.train_step):
-    # the engine must sum gradients, not average them over ranks.
-    amsp.set_gradient_divide_factor(model, 1.0)
-    if full_init:
-        keep_weights(model)
-    setattr(model, PLAN_ATTR, plan)
-    logger.info(
-        f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
-        f"on {plan.world_size} ranks, {plan.ranks_per_node} per node; mesh {plan.mesh_shape}"
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    raise AmspConfigError(
+        f"model {type(model).__name__}: AMSP shards one unit per transformer block and "
+        "expects them in model.layers (an nn.ModuleDict or nn.ModuleList)"
     )
-    return model
+
+
+def amsp_parallelize_fn(base_fn, base_name: str | None = None):
+    """The AMSP parallelize_fn for the TrainSpec whose parallelize_fn is ``base_fn``.
+
+    Activation checkpointing and torch.compile use the helpers of ``base_fn``'s module
+    (its ``apply_compile`` and selective-AC op list), falling back to llama3's.
+    """
+    module = importlib.import_module(base_fn.__module__)
+    apply_compile = getattr(module, "apply_compile", _llama3_parallelize.apply_compile)
+    sac_save_list = titan_sac_save_list(module)
+    if sac_save_list is None:
+        sac_save_list = titan_sac_save_list(_llama3_parallelize)
+
+    def parallelize_amsp(model: nn.Module, parallel_dims: ParallelDims, job_config):
+        import amsp_dtensor as amsp
+
+        _check_parallelism(parallel_dims)
+        plan = resolve_plan(job_config, world=parallel_dims.world_size)
+        blocks = _blocks(model)
+
+        # Same order as parallelize_llama: AC wrapping, then per-block compile, then sharding.
+        compile_model = job_config.compile.enable and "model" in job_config.compile.components
+        if job_config.activation_checkpoint.mode != "none":
+            apply_ac(
+                model,
+                job_config.activation_checkpoint,
+                model_compile_enabled=compile_model,
+                op_sac_save_list=sac_save_list,
+                base_folder=job_config.job.dump_folder,
+            )
+        if compile_model:
+            _compile_blocks(apply_compile, model, job_config.compile)
+        blocks = _blocks(model)  # AC and compile replace the blocks with wrappers
+
+        full_init = job_config.amsp.init_full_model
+        if full_init:
+            # Same seed, whole model, every rank: all plans start from identical weights.
+            # torchtitan's later to_empty/init_weights are then kept off it (keep_weights).
+            init_full_model(model, job_config)
+        # else: shard the meta model; torchtitan's Trainer materialises and initialises the
+        # shards afterwards (to_empty + init_weights), as with its own FSDP path.
+
+        sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
+        mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node,
+                              device_type=device_type)
+        mp_policy = _mixed_precision(job_config)
+        raf = job_config.amsp.reshard_after_forward
+        for block in blocks:
+            amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=mp_policy,
+                             reshard_after_forward=raf)
+        # The root unit: embeddings, final norm, output head (tied to the embeddings in
+        # qwen3's small flavors: one parameter, one unit).
+        amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=mp_policy)
+        # torchtitan divides the loss by the global token count itself (Trainer.train_step):
+        # the engine must sum gradients, not average them over ranks.
+        amsp.set_gradient_divide_factor(model, 1.0)
+        if full_init:
+            keep_weights(model)
+        setattr(model, PLAN_ATTR, plan)
+        logger.info(
+            f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
+            f"on {plan.world_size} ranks, {plan.ranks_per_node} per node; mesh {plan.mesh_shape}"
+        )
+        return model
+
+    parallelize_amsp.amsp_base = base_name or base_fn.__module__
+    parallelize_amsp.__qualname__ = f"parallelize_amsp[{parallelize_amsp.amsp_base}]"
+    return parallelize_amsp
+
+
+def is_amsp_parallelize_fn(fn) -> bool:
+    return getattr(fn, "amsp_base", None) is not None
+
+
+parallelize_llama_amsp = amsp_parallelize_fn(_llama3_parallelize.parallelize_llama, "llama3")

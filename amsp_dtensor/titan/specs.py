@@ -1,0 +1,145 @@
+"""AMSP variants of torchtitan TrainSpecs: ``<name>_amsp`` for any registered ``<name>``.
+
+A torchtitan job picks its model *and* its parallelism through ``[model] name``: the
+TrainSpec registered under that name carries the parallelize_fn. The AMSP variant of a
+spec is the same spec (model, flavors, tokenizer, data loader, loss, LR schedulers,
+validator, state-dict adapter) with AMSP's parallelize_fn, optimizer container and
+metrics processor, and no pipelining_fn. So
+
+    --model.name qwen3       torchtitan's own FSDP2 (the baseline; [amsp] is not read)
+    --model.name qwen3_amsp  the same model trained under the [amsp] plan
+
+Importing ``amsp_dtensor.titan`` registers the variants of torchtitan's dense LLMs
+(``EAGER_BASES``: llama3, qwen3); ``amsp_dtensor.train`` registers any other
+``<name>_amsp`` on demand (a torchtitan model or experiment, or a spec your
+``[experimental] custom_import`` registered). With ``python -m torchtitan.train``, call
+``register_amsp_variant("<name>")`` from your own custom_import module.
+
+MoE flavors are refused before any process group exists (``check_model``): one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from torchtitan.protocols import train_spec as _train_spec
+
+from ..compat import titan_builtin_models, titan_extra_train_specs
+from .config import AmspConfigError
+from .metrics import build_amsp_metrics_processor
+from .optimizer import build_amsp_optimizers
+from .parallelize import amsp_parallelize_fn, is_amsp_parallelize_fn
+
+SUFFIX = "_amsp"
+EAGER_BASES = ("llama3", "qwen3")  # torchtitan's dense decoder LLMs (0.2.2)
+
+
+def amsp_name(base_name: str) -> str:
+    return base_name + SUFFIX
+
+
+def base_name_of(name: str) -> str | None:
+    """``"qwen3"`` for ``"qwen3_amsp"``; None for a name without the suffix."""
+    return name[: -len(SUFFIX)] if name.endswith(SUFFIX) and len(name) > len(SUFFIX) else None
+
+
+def amsp_variant(base_spec, base_name: str | None = None):
+    """``base_spec`` with AMSP's parallelize_fn, optimizers and metrics (no pipelining)."""
+    if is_amsp_parallelize_fn(base_spec.parallelize_fn):
+        return base_spec
+    return dataclasses.replace(
+        base_spec,
+        parallelize_fn=amsp_parallelize_fn(base_spec.parallelize_fn, base_name),
+        pipelining_fn=None,  # AMSP shards data-parallel states only
+        build_optimizers_fn=build_amsp_optimizers,
+        build_metrics_processor_fn=build_amsp_metrics_processor,
+    )
+
+
+def register_amsp_variant(base_name: str) -> str:
+    """Register ``<base_name>_amsp`` (idempotent); returns its name.
+
+    Raises AmspConfigError if torchtitan knows no TrainSpec ``base_name``.
+    """
+    name = amsp_name(base_name)
+    if name in titan_extra_train_specs():
+        return name
+    try:
+        base = _train_spec.get_train_spec(base_name)
+    except (ValueError, ImportError) as e:
+        raise AmspConfigError(
+            f"model.name={name!r}: no TrainSpec {base_name!r} to build it from ({e}); "
+            f"torchtitan's models: {', '.join(sorted(titan_builtin_models()))}"
+        ) from None
+    _train_spec.register_train_spec(name, amsp_variant(base, base_name))
+    return name
+
+
+def ensure_registered(name: str) -> bool:
+    """Register ``name`` if it is ``<base>_amsp`` and missing. True if it is an AMSP spec."""
+    if name not in titan_extra_train_specs() and base_name_of(name) is not None:
+        register_amsp_variant(base_name_of(name))
+    return uses_amsp(name)
+
+
+def uses_amsp(model_name: str) -> bool:
+    """True if the named TrainSpec parallelizes with AMSP."""
+    try:
+        spec = _train_spec.get_train_spec(model_name)
+    except (ValueError, ImportError):
+        return False
+    return is_amsp_parallelize_fn(spec.parallelize_fn)
+
+
+def register_eager_variants() -> None:
+    for base in EAGER_BASES:
+        register_amsp_variant(base)
+
+
+# ---- model checks before any process group exists ------------------------------------
+def _moe_modules(model: nn.Module) -> list[nn.Module]:
+    from torchtitan.models.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def check_model(job_config) -> None:
+    """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors.
+
+    Builds the flavor on the meta device, as torchtitan's Trainer does, and looks for
+    torchtitan MoE layers.
+    """
+    from . import cpu_compat
+
+    name, flavor = job_config.model.name, job_config.model.flavor
+    spec = _train_spec.get_train_spec(name)
+    if flavor not in spec.model_args:
+        return  # torchtitan's own KeyError names the flavors
+    args = copy.deepcopy(spec.model_args[flavor])
+    args.update_from_config(job_config)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    moe = _moe_modules(model)
+    if not moe:
+        return
+    if cpu_compat.needed():
+        # Seen on torch 2.13+cpu: the router's token count torch.histc(<int64 expert ids>)
+        # raises NotImplementedError: "histogram_cpu" not implemented for 'Long'.
+        grouped = any(getattr(getattr(m, "experts", None), "use_grouped_mm", False) for m in moe)
+        why = ("torchtitan's MoE router counts tokens per expert with torch.histc on int64 "
+               "expert ids, and CPU torch has no such kernel (\"histogram_cpu\" not "
+               "implemented for 'Long')")
+        if grouped:
+            why += (", and its token permutation needs the triton kernel "
+                    "generate_permute_indices")
+    else:
+        why = ("AMSP does not shard MoE experts (no expert-parallel mesh, no load-balancing "
+               "hook in its optimizer)")
+    raise AmspConfigError(
+        f"model.flavor={flavor!r}: {name} {flavor} has {len(moe)} MoE layers: {why}; "
+        "use a dense flavor"
+    )
