@@ -1,4 +1,4 @@
-"""The five shims that let torchtitan 0.2.2 train on CPU (gloo), in one place.
+"""The shims that let torchtitan 0.2.2 train on CPU (gloo) with torch 2.13, in one place.
 
 Applied by ``apply()`` only when no accelerator exists (``torch.accelerator.is_available()``
 is False); on a GPU machine this module changes nothing. Each shim names the error it
@@ -39,6 +39,7 @@ def apply() -> bool:
     _cpu_memory_monitor()
     _fsdp_sum_reduction_for_gloo()
     _pg_timeouts_without_device_ids()
+    _tied_output_in_the_root_fsdp_unit()
     _applied = True
     return True
 
@@ -194,3 +195,50 @@ def _pg_timeouts_without_device_ids() -> None:
                 set_pg_timeout(timeout, group)
 
     dist_utils.set_pg_timeouts = set_pg_timeouts
+
+
+# (6) torchtitan's qwen3 FSDP path (llama4's apply_fsdp) shards tok_embeddings, then
+#     [norm, output], then the root, each as its own unit; in qwen3's tied flavors
+#     (debugmodel, 0.6B-4B) output.weight IS tok_embeddings.weight, and torch 2.13's
+#     FSDP2 refuses a parameter in two units (first forward, on every rank):
+#       ValueError: Parameter 'tok_embeddings.weight' is shared with a parameter already
+#       managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) ...
+#     (not CPU-specific: torch 2.13 with torchtitan 0.2.2.) When the output head is tied
+#     to the embeddings, the separate tok_embeddings and [norm, output] units are skipped,
+#     so all three land in the root unit, as AMSP shards them. Used by the qwen3 FSDP
+#     baseline.
+def _tied_output_in_the_root_fsdp_unit() -> None:
+    import torchtitan.models.llama3.infra.parallelize as llama_par
+    import torchtitan.models.llama4.infra.parallelize as llama4_par
+    import torchtitan.models.qwen3.infra.parallelize as qwen3_par
+
+    # shim (4) for modules that copied disable_fsdp_gradient_division before it was patched
+    for mod in (llama4_par, qwen3_par):
+        mod.disable_fsdp_gradient_division = llama_par.disable_fsdp_gradient_division
+
+    original_apply = llama4_par.apply_fsdp
+    original_fully_shard = llama4_par.fully_shard
+    tied: list[tuple] = []  # (root module, ids of its tied params) per apply_fsdp call
+
+    def fully_shard(module, *args, **kwargs):
+        root, shared = tied[-1] if tied else (None, set())
+        modules = module if isinstance(module, list) else [module]
+        if module is not root and any(id(p) in shared for m in modules for p in m.parameters()):
+            return module  # the embeddings or [norm, output]: the root unit takes them
+        return original_fully_shard(module, *args, **kwargs)
+
+    def apply_fsdp(model, *args, **kwargs):
+        output = getattr(model, "output", None)
+        embed = getattr(model, "tok_embeddings", None)
+        shared = set()
+        if output is not None and embed is not None and output.weight is embed.weight:
+            shared.add(id(output.weight))
+        tied.append((model, shared))
+        try:
+            return original_apply(model, *args, **kwargs)
+        finally:
+            tied.pop()
+
+    llama4_par.fully_shard = fully_shard
+    llama4_par.apply_fsdp = apply_fsdp
+    qwen3_par.apply_fsdp = apply_fsdp
