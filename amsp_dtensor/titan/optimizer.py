@@ -20,6 +20,7 @@ from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 
 from .validate import AmspConfigError
+from .weights import clean_fqn
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -44,12 +45,31 @@ class AmspOptimizersContainer(OptimizersContainer):
 
     # Checkpointing: torchtitan's get_optimizer_state_dict expects the model's params in the
     # optimizer; AMSP's optimizer holds OS-layout masters instead, so defer to its own dict.
+    # Its keys are the FQNs of the model as wrapped (activation checkpointing adds
+    # "_checkpoint_wrapped_module.", torch.compile "_orig_mod."); like torchtitan's model
+    # state dict (torch.distributed.checkpoint.state_dict), the saved keys leave the
+    # wrappers out, so a checkpoint loads into a job with other AC / compile settings.
     def state_dict(self) -> dict[str, Any]:
-        return {f"amsp_optim.{i}": opt.state_dict() for i, opt in enumerate(self.optimizers)}
+        return {f"amsp_optim.{i}": _clean_keys(opt.state_dict())
+                for i, opt in enumerate(self.optimizers)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for i, opt in enumerate(self.optimizers):
-            opt.load_state_dict(state_dict[f"amsp_optim.{i}"])
+            wrapped = {clean_fqn(fqn): fqn for fqn in opt.state_dict()["state"]}
+            opt.load_state_dict(_rename_keys(state_dict[f"amsp_optim.{i}"],
+                                             lambda fqn: wrapped.get(fqn, fqn)))
+
+
+def _rename_keys(sd: dict[str, Any], rename) -> dict[str, Any]:
+    out = dict(sd)
+    out["state"] = {rename(fqn): entry for fqn, entry in sd["state"].items()}
+    out["param_groups"] = [dict(g, params=[rename(f) for f in g["params"]])
+                           for g in sd["param_groups"]]
+    return out
+
+
+def _clean_keys(sd: dict[str, Any]) -> dict[str, Any]:
+    return _rename_keys(sd, clean_fqn)
 
 
 def build_amsp_optimizers(

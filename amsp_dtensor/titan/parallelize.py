@@ -13,7 +13,6 @@ sit in one unit, the root, as the engine requires.
 from __future__ import annotations
 
 import importlib
-import inspect
 
 import torch
 import torch.nn as nn
@@ -62,12 +61,23 @@ def _mixed_precision(job_config) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
-def _compile_blocks(apply_compile, model: nn.Module, compile_config) -> None:
-    """The base module's per-block compile; llama4's (used by qwen3) also takes ep_enabled."""
-    if "ep_enabled" in inspect.signature(apply_compile).parameters:
-        apply_compile(model, compile_config, ep_enabled=False)
-    else:
-        apply_compile(model, compile_config)
+def compile_blocks(model: nn.Module, compile_config) -> None:
+    """Per-block torch.compile as torchtitan's apply_compile does (fullgraph, the configured
+    backend), but compiling each block's ``forward`` in place instead of wrapping the block
+    in an OptimizedModule.
+
+    Why not torchtitan's apply_compile: the OptimizedModule wrapper forwards attribute
+    writes to the module it wraps, so the AMSP unit set on the wrapper is found on both
+    (``layers.0`` and ``layers.0._orig_mod``) and the engine steps each block twice
+    (LifecycleError "AMSP unit layers.0: updated -> updated is not a valid step
+    transition" in the first optimizer step; torch 2.13). In place, the block keeps its
+    FQNs (no ``_orig_mod.``), and the unit's hooks stay outside the compiled region as with
+    the wrapper.
+    """
+    for block in _blocks(model):
+        block.forward = torch.compile(block.forward, backend=compile_config.backend,
+                                      fullgraph=True)
+    logger.info("Compiling each TransformerBlock with torch.compile")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -85,11 +95,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def amsp_parallelize_fn(base_fn, base_name: str | None = None):
     """The AMSP parallelize_fn for the TrainSpec whose parallelize_fn is ``base_fn``.
 
-    Activation checkpointing and torch.compile use the helpers of ``base_fn``'s module
-    (its ``apply_compile`` and selective-AC op list), falling back to llama3's.
+    Activation checkpointing uses the selective-AC op list of ``base_fn``'s module (falling
+    back to llama3's); torch.compile is ``compile_blocks``.
     """
     module = importlib.import_module(base_fn.__module__)
-    apply_compile = getattr(module, "apply_compile", _llama3_parallelize.apply_compile)
     sac_save_list = titan_sac_save_list(module)
     if sac_save_list is None:
         sac_save_list = titan_sac_save_list(_llama3_parallelize)
@@ -112,7 +121,7 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
                 base_folder=job_config.job.dump_folder,
             )
         if compile_model:
-            _compile_blocks(apply_compile, model, job_config.compile)
+            compile_blocks(model, job_config.compile)
         blocks = _blocks(model)  # AC and compile replace the blocks with wrappers
 
         full_init = job_config.amsp.init_full_model

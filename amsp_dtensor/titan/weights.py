@@ -64,7 +64,7 @@ def reinit_like_single_process(model: nn.Module, model_cls, model_args, job_conf
     init_full_model(reference, job_config)
     full = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        source = full[_clean(name)].to(param.dtype)
+        source = full[clean_fqn(name)].to(param.dtype)
         if isinstance(param, DTensor):
             source = distribute_tensor(
                 source, param.device_mesh, param.placements, src_data_rank=None
@@ -72,7 +72,7 @@ def reinit_like_single_process(model: nn.Module, model_cls, model_args, job_conf
         param.copy_(source)
 
 
-def _clean(name: str) -> str:
+def clean_fqn(name: str) -> str:
     """FQN without wrapper prefixes (activation checkpointing, torch.compile)."""
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(wrapper, "")
