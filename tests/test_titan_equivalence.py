@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_titan import losses, torchrun
+from test_titan import losses, scalars, torchrun
 
 STEPS = 4
 REL_TOL = 1e-4
@@ -37,3 +37,90 @@ def test_amsp_loss_curve_matches_torchtitan_fsdp(plan, baseline, tmp_path):
     assert baseline[-1] < baseline[0] - 0.3  # it trains: the comparison is not of flat lines
     for step, (got, want) in enumerate(zip(curve, baseline), start=1):
         assert abs(got - want) <= REL_TOL * abs(want), (step, got, want, curve, baseline)
+
+
+# --------------------------------------------------------------------------------------
+# torchtitan features under AMSP, against the same FSDP baseline: two launches in all.
+#   first:   plan p2-g2-os4, activation checkpointing "full", 2 micro-batches per step
+#            (gradient accumulation under no_sync), checkpoint saved at step 2; 4 steps.
+#   resumed: a fresh job that loads the step-2 checkpoint and runs steps 3-4 under another
+#            plan (p1-g4-os4) with selective (per-op) activation checkpointing, per-block
+#            torch.compile and ONE micro-batch of 4 (no accumulation): the same samples
+#            per rank and step as the first run's 2 x 2.
+# Every feature is exact math, so each row compares losses with a tolerance for fp32
+# round-off only. torch.compile uses the aot_eager backend: dynamo (fullgraph per block)
+# and AOTAutograd run as with inductor, but no C++ code is generated (inductor's codegen
+# costs minutes of CPU per rank on this machine; it is exercised on GPU machines).
+# --------------------------------------------------------------------------------------
+FEATURE_REL_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    import shutil
+
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    first = tmp_path_factory.mktemp("features_first")
+    first_proc = torchrun(["--training.steps", str(STEPS), *ckpt,
+                           "--activation_checkpoint.mode", "full"], first)
+    resumed = tmp_path_factory.mktemp("features_resumed")
+    shutil.copytree(first / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    resumed_proc = torchrun([
+        "--training.steps", str(STEPS), *ckpt,
+        "--amsp.param_shard", "1", "--amsp.grad_shard", "4",
+        "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op",
+        "--compile.enable", "--compile.backend", "aot_eager",
+        "--training.local_batch_size", "4",
+    ], resumed)
+    return {
+        "first": scalars(first)["loss_metrics/global_avg_loss"],
+        "first_log": first_proc.stdout + first_proc.stderr,
+        "resumed": scalars(resumed)["loss_metrics/global_avg_loss"],
+        "resumed_log": resumed_proc.stdout + resumed_proc.stderr,
+    }
+
+
+def _close(got: list[float], want: list[float], rel: float) -> bool:
+    return all(abs(g - w) <= rel * abs(w) for g, w in zip(got, want, strict=True))
+
+
+def test_feature_activation_checkpointing_full(features, baseline):
+    assert "Applied full activation checkpointing" in features["first_log"]
+    got = [features["first"][s] for s in range(1, STEPS + 1)]
+    assert _close(got, baseline, FEATURE_REL_TOL), (got, baseline)
+
+
+def test_feature_gradient_accumulation(features, baseline):
+    """2 micro-batches of 2 (first run, no_sync on the first) and 1 micro-batch of 4
+    (resumed run) give one curve, and both give torchtitan FSDP's."""
+    assert "gradient accumulation steps 2" in features["first_log"]
+    assert "gradient accumulation steps 1" in features["resumed_log"]
+    first = [features["first"][s] for s in (3, 4)]
+    resumed = [features["resumed"][s] for s in (3, 4)]
+    assert _close(resumed, first, FEATURE_REL_TOL), (resumed, first)
+    got = [features["first"][s] for s in range(1, STEPS + 1)]
+    assert _close(got, baseline, FEATURE_REL_TOL), (got, baseline)
+
+
+def test_feature_checkpoint_save_and_resume_under_another_plan(features):
+    """Step 3 needs the saved weights, step 4 also the optimizer's moments and steps."""
+    log = features["resumed_log"]
+    assert "Loading the checkpoint from" in log and "p1-g4-os4" in log
+    assert sorted(features["resumed"]) == [3, 4]
+    first = [features["first"][s] for s in (3, 4)]
+    resumed = [features["resumed"][s] for s in (3, 4)]
+    assert _close(resumed, first, FEATURE_REL_TOL), (resumed, first)
+    assert first[1] != pytest.approx(first[0], rel=1e-3)  # the step moved the loss
+
+
+def test_feature_activation_checkpointing_selective_op(features, baseline):
+    assert "Applied selective activation checkpointing" in features["resumed_log"]
+    resumed = [features["resumed"][s] for s in (3, 4)]
+    assert _close(resumed, baseline[2:], FEATURE_REL_TOL), (resumed, baseline)
+
+
+def test_feature_compile(features, baseline):
+    assert "Compiling each TransformerBlock with torch.compile" in features["resumed_log"]
+    resumed = [features["resumed"][s] for s in (3, 4)]
+    assert _close(resumed, baseline[2:], FEATURE_REL_TOL), (resumed, baseline)
