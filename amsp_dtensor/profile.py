@@ -40,6 +40,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import compat
+
 from .cost.bandwidth import SCHEMA
 from .cost.comm import group_shape
 from .plan import enumerate_plans
@@ -230,8 +232,7 @@ def main(argv=None) -> int:
             json.dump(table, f, indent=1)
         print(f"wrote {args.out}: {len(entries)} entries in {time.time() - started:.0f}s",
               file=sys.stderr)
-    dist.barrier()
-    dist.destroy_process_group()
+    compat.destroy_process_group_at_exit()
     return 0
 
 

@@ -34,6 +34,7 @@ import resource
 import sys
 import time
 
+from amsp_dtensor import compat
 from amsp_dtensor.observe.dist_calls import describe_call
 
 
@@ -294,8 +295,8 @@ def main(argv=None) -> int:
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    del optim, model
+    compat.destroy_process_group_at_exit()
     return 0
 
 
