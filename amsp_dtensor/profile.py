@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-
 from .cost.bandwidth import SCHEMA
 from .cost.comm import group_shape
 from .plan import enumerate_plans
