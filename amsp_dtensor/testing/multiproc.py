@@ -14,6 +14,8 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..compat import destroy_process_group_at_exit
+
 
 def _worker(rank, world_size, ranks_per_node, init_file, out_dir, fn, args):
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
@@ -33,8 +35,15 @@ def _worker(rank, world_size, ranks_per_node, init_file, out_dir, fn, args):
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        ok, result = result is not None and result[0] == "ok", None
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                if not ok:  # the other ranks may be stuck in a collective: no barrier
+                    raise RuntimeError
+                destroy_process_group_at_exit()
+            except RuntimeError:  # incl. a rank that never reached the barrier
+                if dist.is_initialized():
+                    dist.destroy_process_group()
 
 
 def run_on_ranks(fn, world_size: int, ranks_per_node: int, *args, timeout: float = 600):
