@@ -105,7 +105,7 @@ def check_amsp(job_config):
 
     if not uses_amsp(job_config.model.name):
         amsp_cfg = getattr(job_config, "amsp", None)
-        if getattr(job_config, "_amsp_in_toml", False) and not (
+        if _rank() == 0 and getattr(job_config, "_amsp_in_toml", False) and not (
             amsp_cfg is not None and amsp_cfg.init_like_single_process
         ):
             from torchtitan.tools.logging import logger
