@@ -37,13 +37,13 @@ def _worker(rank, world_size, ranks_per_node, init_file, out_dir, fn, args):
             pickle.dump(result, f)
         ok, result = result is not None and result[0] == "ok", None
         if dist.is_initialized():
-            try:
-                if not ok:  # the other ranks may be stuck in a collective: no barrier
-                    raise RuntimeError
-                destroy_process_group_at_exit()
-            except RuntimeError:  # incl. a rank that never reached the barrier
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+            if ok:  # after a failure the other ranks may be stuck in a collective: no barrier
+                try:
+                    destroy_process_group_at_exit()
+                except RuntimeError:  # another rank failed and never reached the barrier
+                    pass
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def run_on_ranks(fn, world_size: int, ranks_per_node: int, *args, timeout: float = 600):
