@@ -32,6 +32,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torchtitan.models.llama3.infra.parallelize", "_op_sac_save_list"),
     ("torchtitan.models.qwen3.infra.parallelize", "_op_sac_save_list"),
     ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    ("torchtitan.models.llama3.model.model", "Transformer._precompute_freqs_cis"),
     ("torch.cuda", "_sleep"),
 )
 
@@ -169,6 +170,12 @@ def queue_end_of_backward_callback(callback) -> None:
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------
+def recompute_rope_table(model) -> None:
+    """torchtitan llama3's complex RoPE buffer, rebuilt after ``model.to(bf16)`` cast it to
+    real (torchtitan's Transformer._precompute_freqs_cis)."""
+    model.freqs_cis = model._precompute_freqs_cis()
+
+
 def device_probe():
     """torch._utils._get_available_device_type, which torchtitan calls to pick a device."""
     import torch._utils as torch_utils

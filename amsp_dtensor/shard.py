@@ -20,7 +20,7 @@ from . import grad as grad_path
 from .collectives import Collectives, RecordingAllGather, RecordingReduceScatter
 from .mesh import mesh_info
 from .plan import ResolvedPlan, ShardingPlan
-from .state import AMSPState, AMSPUnit, build_layouts, find_state
+from .state import AMSPState, AMSPUnit, build_layouts, clean_fqn, find_state
 
 __all__ = ["fully_shard"]
 
@@ -266,7 +266,10 @@ def _unit_pre_forward(unit: AMSPUnit):
 
 def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
     """Make ``module`` the root of every unit below it (the last call is the root)."""
-    units = [m._amsp_unit for m in module.modules() if getattr(m, "_amsp_unit", None)]
+    # a unit may be reached twice: torch.compile's wrapper passes attribute reads through
+    # to the module it wraps (``layers.0`` and ``layers.0._orig_mod``)
+    units = list({id(u): u for m in module.modules()
+                  if (u := getattr(m, "_amsp_unit", None)) is not None}.values())
     if not units:
         raise ValueError(
             f"{type(module).__name__} has no parameters to shard (and no sharded submodules)"
@@ -283,13 +286,13 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
                       units=[u for u in units if u.p_layout.params],
                       frozen_units=[u for u in units if not u.p_layout.params],
                       grad_stream=streams.grad_stream(info.mesh.device_type))
-    prefix_of = {m: name for name, m in module.named_modules()}
+    prefix_of = {m: clean_fqn(name) for name, m in module.named_modules()}
     for unit in units:
         unit.state = state
         prefix = prefix_of[unit.module]
         unit.fqn = prefix
         unit.lifecycle.owner = prefix
-        unit.param_fqns = [f"{prefix}.{n}" if prefix else n for n in unit.param_names]
+        unit.param_fqns = [clean_fqn(f"{prefix}.{n}" if prefix else n) for n in unit.param_names]
     for sub in module.modules():
         if sub is not module and hasattr(sub, "_amsp_state"):
             # A former root (a block sharded before its parent) is a root no more.

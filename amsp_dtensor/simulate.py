@@ -84,14 +84,6 @@ def _check_args(args) -> None:
             raise UsageError(f"--plan {name}: {' '.join(str(exc).split())}") from None
 
 
-def _fake_store():
-    """torch's FakeStore for the "fake" backend. Private torch API (torch.testing._internal):
-    the one place this module touches it."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
-
-
 def simulate_plan(args, plan_name: str) -> dict:
     """One step of one plan as rank args.rank; returns the comparison (see module doc)."""
     import torch
@@ -100,6 +92,7 @@ def simulate_plan(args, plan_name: str) -> dict:
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     import amsp_dtensor as amsp
+    from amsp_dtensor import compat
     from amsp_dtensor.cost.comm import event_counter, predicted_events, recorded_counter
     from amsp_dtensor.cost.memory import DTYPE_BYTES, state_bytes_of_rank
     from amsp_dtensor.cost.models import from_torchtitan_args
@@ -107,7 +100,7 @@ def simulate_plan(args, plan_name: str) -> dict:
 
     t0 = time.perf_counter()
     W, R, rank = args.gpus, args.gpus_per_node, args.rank
-    dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=W)
+    compat.init_fake_process_group(rank, W)
     try:
         plan = amsp.ShardingPlan.from_name(plan_name)
         rp = plan.resolve(W, R)
@@ -123,7 +116,7 @@ def simulate_plan(args, plan_name: str) -> dict:
             amsp.fully_shard(block, mesh=mesh, plan=plan)
         amsp.fully_shard(model, mesh=mesh, plan=plan)
         model.to_empty(device="cpu")
-        model.freqs_cis = model._precompute_freqs_cis()  # the complex RoPE table
+        compat.recompute_rope_table(model)  # the complex RoPE table
         optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-4)
         M, b, s = args.micro_batches, args.micro_batch, args.seq_len
         measured = {}

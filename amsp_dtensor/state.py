@@ -162,6 +162,16 @@ def build_layouts(
     return p_layout, g_layout, os_layout
 
 
+def clean_fqn(name: str) -> str:
+    """A parameter or module FQN without wrapper components (activation checkpointing's
+    ``_checkpoint_wrapped_module``, torch.compile's ``_orig_mod``), as torch's DCP state
+    dicts name it, so checkpoints load across AC / compile settings."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_NAMES)
+
+
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
 def find_state(module: nn.Module) -> AMSPState:
     state = getattr(module, "_amsp_state", None)
     if state is None:

@@ -77,7 +77,7 @@ _PRIVATE_ATTRS = {
     "_get_fsdp_state", "_fsdp_param_group", "_sharded_param_data", "_orig_size",
     "_states_to_forward_prefetch", "_comm_ctx", "_is_root", "_flatten", "_execution_engine",
     "_current_graph_task_id", "_set_pg_timeout", "_extra_train_specs", "_unsharded_param",
-    "_get_available_device_type",
+    "_get_available_device_type", "_precompute_freqs_cis",
 }
 
 

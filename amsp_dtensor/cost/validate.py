@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         model.init_weights(buffer_device=torch.device("cpu"))
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
-        model.freqs_cis = model._precompute_freqs_cis()  # keep the complex buffer complex
+        compat.recompute_rope_table(model)  # keep the complex buffer complex
     for block in model.layers.values():
         amsp.fully_shard(block, mesh=mesh, plan=sharding)
     amsp.fully_shard(model, mesh=mesh, plan=sharding)

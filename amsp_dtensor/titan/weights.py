@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.tools.utils import device_type
 
+from ..state import clean_fqn
+
 
 def init_seed(job_config) -> int:
     return job_config.debug.seed if job_config.debug.seed is not None else 0
@@ -70,10 +72,3 @@ def reinit_like_single_process(model: nn.Module, model_cls, model_args, job_conf
                 source, param.device_mesh, param.placements, src_data_rank=None
             )
         param.copy_(source)
-
-
-def clean_fqn(name: str) -> str:
-    """FQN without wrapper prefixes (activation checkpointing, torch.compile)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name
