@@ -11,13 +11,12 @@ bytes and the prediction from ``cost.backward_peak`` for the same rank, keyed by
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 
-from .scenarios import LR, global_batches, local_micro_batch, make_model
-from .tiny_llama import TinyLlamaConfig, loss_fn
+from .scenarios import LR, global_batches, make_model, micro_batch_backwards
+from .tiny_llama import TinyLlamaConfig
 
 # vocab 99: the embedding and output rows do not divide 2 or 4, so P, G and OS slots
 # carry padding rows (the census counts slots, the prediction must too)
@@ -59,12 +58,8 @@ def measure_backward_memory(rank, world_size, plans, dtypes=("fp32", "bf16"), mi
             optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
             batch = global_batches(0, world_size, micro_batches, model.cfg)
             with amsp.track_backward_memory(model) as tracker:
-                for micro in range(micro_batches):
-                    mb = local_micro_batch(batch, rank, world_size, micro)
-                    last = micro == micro_batches - 1
-                    with contextlib.nullcontext() if last else amsp.no_sync(model):
-                        loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
-                        loss.backward()
+                for _ in micro_batch_backwards(model, batch, rank, world_size, micro_batches):
+                    pass
             observers_left = len(find_state(model).unit_grad_observers)
             optim.step()
             optim.zero_grad()

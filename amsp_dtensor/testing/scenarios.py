@@ -139,14 +139,10 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
         ctx = amsp.record_comms(recorder) if step == record_step else contextlib.nullcontext()
         step_loss = torch.zeros(1)
         with ctx:
-            for micro in range(micro_batches):
-                mb = local_micro_batch(batch, rank, world_size, micro)
-                last = micro == micro_batches - 1
-                with contextlib.nullcontext() if last else amsp.no_sync(model):
-                    loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
-                    loss.backward()
+            for micro, mb, loss in micro_batch_backwards(model, batch, rank, world_size,
+                                                         micro_batches):
                 step_loss += loss.detach().float()
-                if step == 0 and micro == 0 and not last:
+                if step == 0 and micro == 0 and micro_batches > 1:
                     memory["grad"] = amsp.memory_by_state(model)["grad"]
             norms.append(optim.clip_grad_norm_(MAX_NORM).item())
             optim.step()
@@ -176,6 +172,20 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
         "memory": memory,
         "events": events,
     }
+
+
+def micro_batch_backwards(model, batch, rank, world_size, micro_batches):
+    """Forward and backward of each micro-batch of one step, all but the last under
+    ``amsp.no_sync`` (DDP's convention); yields (index, micro-batch, scaled loss) after each."""
+    import amsp_dtensor as amsp
+
+    for micro in range(micro_batches):
+        mb = local_micro_batch(batch, rank, world_size, micro)
+        last = micro == micro_batches - 1
+        with contextlib.nullcontext() if last else amsp.no_sync(model):
+            loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
+            loss.backward()
+        yield micro, mb, loss
 
 
 LAND_METHODS = ("wait_param_update", "state_dict", "forward")
