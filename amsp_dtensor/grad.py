@@ -45,8 +45,10 @@ def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor) -> None:
         )
     backward = _begin_backward(state)
     backward.fired.add(id(unit))
-    # FSDP2 views the buffers it handed to earlier units as their .grad; the engine has
-    # taken them, so drop the views now rather than at the end of backward.
+    # FSDP2 views the buffers it handed to earlier units as their .grad. The hooks of
+    # drop_fsdp_grad_views free them as soon as they are made; this catches params whose
+    # hooks were lost because FSDP2 swapped the Parameter objects (materialising a meta
+    # model), at the next unit's hook rather than at the end of backward.
     _drop_fsdp_grads(backward)
     if unit.uses_fsdp:
         backward.fsdp_grads_to_drop.append(unit)
