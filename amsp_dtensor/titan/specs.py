@@ -30,6 +30,7 @@ from torchtitan.protocols import train_spec as _train_spec
 
 from ..compat import titan_builtin_models, titan_extra_train_specs
 from .config import AmspConfigError
+from .dataloader import reshardable_dataloader_fn
 from .metrics import build_amsp_metrics_processor
 from .optimizer import build_amsp_optimizers
 from .parallelize import amsp_parallelize_fn, is_amsp_parallelize_fn
@@ -48,7 +49,8 @@ def base_name_of(name: str) -> str | None:
 
 
 def amsp_variant(base_spec, base_name: str | None = None):
-    """``base_spec`` with AMSP's parallelize_fn, optimizers and metrics (no pipelining)."""
+    """``base_spec`` with AMSP's parallelize_fn, optimizers and metrics (no pipelining), and
+    torchtitan's text data loader replaced by one that resumes on another dp world size."""
     if is_amsp_parallelize_fn(base_spec.parallelize_fn):
         return base_spec
     return dataclasses.replace(
@@ -57,6 +59,7 @@ def amsp_variant(base_spec, base_name: str | None = None):
         pipelining_fn=None,  # AMSP shards data-parallel states only
         build_optimizers_fn=build_amsp_optimizers,
         build_metrics_processor_fn=build_amsp_metrics_processor,
+        build_dataloader_fn=reshardable_dataloader_fn(base_spec.build_dataloader_fn),
     )
 
 

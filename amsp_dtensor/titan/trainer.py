@@ -4,7 +4,9 @@ torchtitan 0.2.2's train_step runs every micro-batch's backward the same way; un
 that would sync gradients across replicas on every micro-batch. AmspTrainer runs all
 micro-batches but the last under ``amsp.no_sync(model)``, routes torchtitan's
 ``clip_grad_norm_`` call to the AMSP optimizer (the model's params carry no .grad), and
-records the step's collectives and per-state memory for the metrics logger. For any
+records the step's collectives and per-state memory for the metrics logger, and lets the
+AMSP data loader see which keys a checkpoint holds before it is loaded (so a job resumes on
+another world size, see dataloader.py). For any
 non-AMSP model (e.g. ``--model.name llama3``, torchtitan's own FSDP) it is the plain
 torchtitan Trainer, which is how the equivalence tests get their baseline.
 """
@@ -19,6 +21,7 @@ import torch
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
+from .dataloader import ReshardableDataloader, checkpoint_keys
 from .parallelize import amsp_plan_of
 from .weights import reinit_like_single_process
 
@@ -43,6 +46,28 @@ def _clip_through(optimizers) -> Iterator[None]:
         dist_utils.clip_grad_norm_ = original
 
 
+def _dataloader_keys_before_load(dcp_load, dataloader: ReshardableDataloader):
+    """CheckpointManager.dcp_load, telling the data loader first which of its keys the
+    checkpoint holds.
+
+    [Note: keys a resharded resume may ask for] DCP loads the keys the live state_dict
+    offers and fails on one the checkpoint lacks; a rank the saving run did not have (e.g.
+    rank 5 resuming a 4-rank checkpoint) would offer ``dp_rank_5``. dcp_load is the one
+    place that knows the checkpoint folder before DCP asks the data loader for its keys.
+    """
+
+    def load(state_dict, checkpoint_id, *args, **kwargs):
+        if not any(value is dataloader for value in state_dict.values()):
+            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        dataloader.expect_checkpoint(checkpoint_keys(checkpoint_id))
+        try:
+            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        finally:
+            dataloader.expect_checkpoint(None)
+
+    return load
+
+
 class AmspTrainer(Trainer):
     def __init__(self, job_config):
         super().__init__(job_config)
@@ -57,6 +82,9 @@ class AmspTrainer(Trainer):
         if self.amsp_plan is not None and amsp_cfg is not None:
             for opt in self.optimizers.optimizers:
                 opt.overlap_param_update = amsp_cfg.overlap_param_update
+        if isinstance(self.dataloader, ReshardableDataloader):
+            self.checkpointer.dcp_load = _dataloader_keys_before_load(
+                self.checkpointer.dcp_load, self.dataloader)
         self._microbatch = 0
         self.last_comm_events: list = []  # CommEvents of the last logged step
         self._unlogged_steps: list = []  # (step, CommRecorder, memory_by_state) not yet logged
