@@ -40,6 +40,8 @@ def apply() -> bool:
     _fsdp_sum_reduction_for_gloo()
     _pg_timeouts_without_device_ids()
     _tied_output_in_the_root_fsdp_unit()
+    _no_nccl_error_handling_env()
+    _no_gpu_peak_flops_probe()
     _applied = True
     return True
 
@@ -242,3 +244,33 @@ def _tied_output_in_the_root_fsdp_unit() -> None:
     llama4_par.fully_shard = fully_shard
     llama4_par.apply_fsdp = apply_fsdp
     qwen3_par.apply_fsdp = apply_fsdp
+
+
+# (7) torchtitan's init_distributed sets TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (for NCCL's
+#     flight recorder) and warns on every rank when the variable exists already, which it
+#     does under torchrun:
+#       WARNING - ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config
+#     No accelerator means gloo, which does not read it: drop the variable, torchtitan sets
+#     its value without the warning.
+def _no_nccl_error_handling_env() -> None:
+    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+
+
+# (8) torchtitan's get_peak_flops runs `lspci` to find an NVIDIA H100 and otherwise assumes
+#     an A100, warning twice per call (the Trainer and the metrics processor each call it,
+#     on every rank):
+#       WARNING - Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use device_name
+#       WARNING - Peak flops undefined for: cpu, fallback to A100
+#     A CPU's peak FLOP rate is unknown: answer NaN, so "mfu" reads nan% instead of a
+#     fraction of an A100 (the AMSP metrics drop it from TensorBoard, see titan/metrics.py).
+def _no_gpu_peak_flops_probe() -> None:
+    import torchtitan.tools.utils as titan_utils
+
+    original = titan_utils.get_peak_flops
+
+    def get_peak_flops(device_name: str) -> float:
+        if device_name == "cpu":
+            return float("nan")
+        return original(device_name)
+
+    titan_utils.get_peak_flops = get_peak_flops
