@@ -138,6 +138,34 @@ def cuda_sleep(cycles: int) -> None:
     torch.cuda._sleep(cycles)
 
 
+def init_process_group(backend: str, **kwargs) -> None:
+    """``torch.distributed.init_process_group(backend)`` for a job torchrun launched (env://),
+    with each restart attempt in its own key space of torchrun's store.
+
+    Workaround for torchrun on torch 2.13 sharing its rendezvous TCPStore with the workers
+    (pytorch/pytorch#135712): under ``--max-restarts`` a restarted worker can read the
+    previous attempt's addresses from that store and fail in ``init_process_group`` with
+    "Gloo connectFullMesh failed ... Connection refused" (NCCL: "Failed to connect"). It did
+    here in the second of two restarts. Launchers that do not share the store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or no torchrun) get the plain call.
+    """
+    import os
+    from datetime import timedelta
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
+        torch.distributed.init_process_group(backend, **kwargs)
+        return
+    timeout = kwargs.pop("timeout", timedelta(minutes=10))
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    torch.distributed.init_process_group(
+        backend, store=torch.distributed.PrefixStore(f"amsp/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout, **kwargs)
+
+
 def destroy_process_group_at_exit() -> None:
     """End a CLI's process group: drop unreferenced objects while the group still lives,
     align the ranks, destroy. Workaround for gloo on torch 2.13: the validate CLI aborted

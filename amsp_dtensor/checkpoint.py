@@ -1,0 +1,239 @@
+"""Save and resume an AMSP job with torch.distributed.checkpoint (DCP).
+
+``save(directory, step, model, optimizer)`` writes ``directory/step-<step>``;
+``latest_step(directory)`` names the newest *complete* one; ``load(path, model, optimizer)``
+checks that it fits, then loads it under this job's plan and world size, whatever they
+were when it was saved. The model's state dict holds FSDP2's DTensors (P layout) and the
+AMSPOptimizer's holds fp32 masters and optimizer states as DTensors in the OS layout, so
+DCP reshards both: each rank reads the rows its own shards cover.
+
+[Note: a checkpoint is complete when its .metadata exists]
+DCP writes every rank's data files first and the coordinator writes ``.metadata`` last,
+to a temporary name renamed into place. A save killed at any point therefore leaves a
+folder without ``.metadata``, and ``latest_step`` (like torchtitan's checkpointer) skips
+it: a resume picks the previous complete checkpoint. ``save`` never writes into a folder
+that already holds a complete checkpoint.
+
+[Note: every rank decides alone whether a checkpoint fits]
+A checkpoint that does not fit the model (other shapes, missing or extra entries, another
+optimizer or optimizer settings, a model-only save) would otherwise fail inside DCP's
+collective load planning, with one traceback per rank, or load part of the model
+silently. ``load`` compares the checkpoint's metadata (a local file read) with this job's
+state dict before any collective, so every rank reaches the same verdict and raises
+``CheckpointMismatch`` with one line naming what differs; no rank waits on another.
+
+What a checkpoint holds: the model, the optimizer (unless ``optimizer=None``), the step,
+each rank's torch RNG state (restored when the world size is unchanged) and an optional
+``extra`` dict of the caller's (data loader position, ...), which must have the same keys
+and tensor shapes when loading.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+__all__ = ["CheckpointMismatch", "save", "load", "latest_step", "step_path"]
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_METADATA = ".metadata"
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint does not fit this model, optimizer or job (one line says what)."""
+
+
+def step_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / _METADATA).is_file()
+
+
+def latest_step(directory: str | Path) -> int | None:
+    """The newest step under ``directory`` whose checkpoint is complete (None if none)."""
+    steps = _complete_steps(Path(directory))
+    return steps[-1] if steps else None
+
+
+def _complete_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    steps = []
+    for child in directory.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and is_complete(child):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _optimizer_name(optimizer) -> str:
+    inner = getattr(optimizer, "inner", optimizer)
+    return type(inner).__name__
+
+
+def _job_state(model, optimizer, step: int, extra: dict | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    state["amsp"] = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": _world_size(),
+        "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else "",
+    }
+    # One key per rank: DCP keeps each (a key every rank holds would be saved once).
+    state["rng"] = {f"rank{_rank()}": torch.get_rng_state()}
+    if extra is not None:
+        state["extra"] = extra
+    return state
+
+
+def save(directory: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None,
+         storage_writer=None) -> Path:
+    """Save model, optimizer, step, RNG state and ``extra`` to ``directory/step-<step>``
+    (a collective: every rank calls it). ``storage_writer``: a DCP StorageWriter for that
+    path (default: FileSystemWriter)."""
+    path = step_path(directory, step)
+    if is_complete(path):
+        raise FileExistsError(f"{path} already holds a complete checkpoint; save step {step} "
+                              f"elsewhere or remove it first")
+    state = _job_state(model, optimizer, step, extra)
+    dcp.save(state, checkpoint_id=path, storage_writer=storage_writer)
+    return path
+
+
+def load(path: str | Path, model, optimizer=None, *, extra: dict | None = None) -> int:
+    """Load a checkpoint written by ``save`` (under any plan and world size) into ``model``
+    and ``optimizer`` and, in place, into the tensors of ``extra``; returns its step.
+
+    Raises CheckpointMismatch, on every rank and before any collective, when it does not fit.
+    ``optimizer=None`` loads the weights only; build the AMSPOptimizer afterwards, since it
+    takes its fp32 masters from the parameters when it is built.
+    """
+    path = Path(path)
+    _check_complete(path)
+    model_state = getattr(model, "_amsp_state", None)
+    if optimizer is None and model_state is not None and model_state.optimizer_bound:
+        raise CheckpointMismatch(
+            "this model already has an AMSPOptimizer, whose master weights would keep their "
+            "old values: pass it as optimizer=, or load the weights before building it")
+    state = _job_state(model, optimizer, 0, extra)
+    saved = _read_job_info(path)
+    check_fits(path, state, saved)
+    same_world = saved["world_size"] == _world_size()
+    rng = state.pop("rng")
+    if same_world:
+        state["rng"] = rng
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optim"])
+    else:
+        model.load_state_dict(state["model"])
+    if same_world:
+        torch.set_rng_state(state["rng"][f"rank{_rank()}"])
+    elif _rank() == 0:
+        warnings.warn(f"{path} was saved on {saved['world_size']} ranks and is loaded on "
+                      f"{_world_size()}: the torch RNG state is not restored", stacklevel=2)
+    return int(saved["step"])
+
+
+def _check_complete(path: Path) -> None:
+    if is_complete(path):
+        return
+    if not path.exists():
+        raise CheckpointMismatch(f"{path}: no such checkpoint")
+    complete = [f"step-{s}" for s in _complete_steps(path.parent)]
+    others = f"; complete ones beside it: {', '.join(complete)}" if complete else ""
+    raise CheckpointMismatch(f"{path} is not a complete checkpoint (no {_METADATA}: its save "
+                             f"was interrupted){others}")
+
+
+def _read_job_info(path: Path) -> dict[str, Any]:
+    """The "amsp" entry, read by this rank alone (no collective)."""
+    info = {"format": 0, "step": 0, "world_size": 0, "optimizer_class": ""}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"amsp": info}, checkpoint_id=path, no_dist=True)
+    except Exception as e:  # not written by save(): a torchtitan or hand-made checkpoint
+        raise CheckpointMismatch(f"{path} was not written by amsp_dtensor.checkpoint.save "
+                                 f"(no readable 'amsp' entry: {type(e).__name__})") from None
+    return info
+
+
+def _tensor_entries(prefix: str, tree: Any, out: dict[str, tuple]) -> None:
+    """DCP's flattened key -> global shape for every tensor in ``tree``."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            _tensor_entries(f"{prefix}.{key}" if prefix else str(key), value, out)
+    elif isinstance(tree, torch.Tensor):
+        out[prefix] = tuple(tree.shape)
+
+
+def check_fits(path: str | Path, state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Raise CheckpointMismatch (one line) if the checkpoint at ``path`` cannot be loaded
+    into ``state`` (as built by save's _job_state) exactly."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    stored = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+              if isinstance(md, TensorStorageMetadata)}
+    if saved["format"] != FORMAT_VERSION:
+        raise CheckpointMismatch(f"{path} has checkpoint format {saved['format']}; this "
+                                 f"version of amsp_dtensor reads format {FORMAT_VERSION}")
+    has_optim = bool(saved["optimizer_class"])
+    if "optim" in state and not has_optim:
+        raise CheckpointMismatch(f"{path} holds model weights only: load it with optimizer=None "
+                                 f"and build the AMSPOptimizer afterwards")
+    if "optim" in state and saved["optimizer_class"] != state["amsp"]["optimizer_class"]:
+        raise CheckpointMismatch(
+            f"{path} was saved with {saved['optimizer_class']} and this optimizer is "
+            f"{state['amsp']['optimizer_class']}: build AMSPOptimizer(model, "
+            f"torch.optim.{saved['optimizer_class']}, ...) to resume, or load with "
+            f"optimizer=None to keep only the weights")
+    for section, what in (("model", "model"), ("optim", "optimizer state"), ("extra", "extra")):
+        if section not in state:
+            continue
+        wanted: dict[str, tuple] = {}
+        _tensor_entries(section, state[section], wanted)
+        have = {k: v for k, v in stored.items() if k.startswith(section + ".")}
+        _compare(path, what, section, wanted, have)
+
+
+def _compare(path, what: str, section: str, wanted: dict, have: dict) -> None:
+    def name(key: str) -> str:
+        return key[len(section) + 1:]
+
+    missing = sorted(set(wanted) - set(have))
+    if missing:
+        raise CheckpointMismatch(
+            f"{path} does not fit: {len(missing)} {what} entr{'y' if len(missing) == 1 else 'ies'} "
+            f"of this job missing from it (first: {name(missing[0])})")
+    unexpected = sorted(set(have) - set(wanted))
+    if unexpected:
+        raise CheckpointMismatch(
+            f"{path} does not fit: it has {len(unexpected)} {what} "
+            f"entr{'y' if len(unexpected) == 1 else 'ies'} this job lacks "
+            f"(first: {name(unexpected[0])})")
+    for key in sorted(wanted):
+        if wanted[key] != have[key]:
+            raise CheckpointMismatch(
+                f"{path} does not fit: {what} {name(key)} has shape {list(have[key])} in the "
+                f"checkpoint and {list(wanted[key])} here")

@@ -1,0 +1,313 @@
+"""Checkpoints through amsp_dtensor.checkpoint (DCP): resume, reshard, faults, mismatches.
+
+- Resume: 6 steps vs 3 steps, save, a fresh model and optimizer loading step 3, steps 4-6;
+  3 plans on 4 ranks (2 per node).
+- Reshard: checkpoints saved under one (world size, plan) load under another with the
+  full weights and every optimizer state identical: 4 -> 4, 4 -> 8, 8 -> 2 and 4 -> 2 ranks,
+  each with a plan change.
+- Faults (torchrun, 2 ranks, ``amsp_dtensor.testing.checkpoint_job``): SIGKILL of one rank
+  at three points of a save and in the middle of a step; torchrun restarts the job, which
+  resumes from the newest complete checkpoint and ends with the uninterrupted run's losses
+  and weights.
+- Mismatches: a checkpoint that does not fit stops every rank with the same one-line
+  CheckpointMismatch, before any collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from amsp_dtensor.testing.multiproc import run_on_ranks
+
+pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
+                                reason="multi-process")
+
+RESUME_PLANS = [(1, 1, 2), (2, 2, 4), (1, 4, 4)]  # 4 ranks, 2 per node
+# (source world, source plan) -> (target world, target plan)
+RESHARDS = [
+    ((4, (1, 1, 2)), (4, (2, 4, 4))),
+    ((4, (2, 2, 4)), (8, (1, 8, 8))),
+    ((4, (1, 4, 4)), (8, (4, 4, 8))),
+    ((8, (1, 8, 8)), (2, (2, 2, 2))),
+    ((8, (4, 4, 8)), (2, (1, 1, 2))),
+    ((4, (2, 2, 4)), (2, (1, 2, 2))),
+]
+RANKS_PER_NODE = {2: 1, 4: 2, 8: 4}
+JOB_PLAN = (1, 1, 2)  # the torchrun fault jobs: 2 ranks, 1 per node
+JOB_STEPS = 6
+
+
+def _name(world, plan):
+    return f"w{world}-p{plan[0]}-g{plan[1]}-os{plan[2]}"
+
+
+def _build(world, plan, cfg=None, optimizer=torch.optim.AdamW, **kwargs):
+    import amsp_dtensor as amsp
+    from amsp_dtensor.testing.scenarios import OPTIMIZERS, make_model
+
+    sharding = amsp.ShardingPlan(*plan)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=RANKS_PER_NODE[world], device_type="cpu")
+    model = make_model(torch.float32, cfg)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding)
+    if optimizer is None:
+        return model, None
+    options = dict(OPTIMIZERS["adamw"][1]) if optimizer is torch.optim.AdamW else {"lr": 1e-2}
+    options.update(kwargs)
+    return model, amsp.AMSPOptimizer(model, optimizer, **options)
+
+
+def _train(model, optim, rank, world, steps):
+    from amsp_dtensor.testing.checkpoint_job import train_step
+
+    return [train_step(model, optim, step, rank, world) for step in steps]
+
+
+def _full_state(model, optim):
+    """Full weights and every optimizer state as whole tensors (collective; rank 0 keeps)."""
+    import amsp_dtensor as amsp
+    from amsp_dtensor.testing.scenarios import full_weights
+
+    weights = full_weights(model)
+    states = {}
+    for fqn, entry in optim.state_dict()["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                full = amsp.gather_full(value) if hasattr(value, "full_tensor") else value
+                states[f"{fqn}.{key}"] = full.detach().clone()
+    return {"weights": weights, "optim": states}
+
+
+def _saved_at(tmp, world, plan):
+    return os.path.join(tmp, _name(world, plan))
+
+
+def _world4(rank, world, tmp):
+    from amsp_dtensor import checkpoint
+
+    out = {"resume": {}, "reshard": {}}
+    for plan in RESUME_PLANS:
+        model, optim = _build(world, plan)
+        whole = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
+        whole_state = _full_state(model, optim)
+        model, optim = _build(world, plan)
+        first = _train(model, optim, rank, world, range(1, 4))
+        saved_state = _full_state(model, optim)
+        checkpoint.save(_saved_at(tmp, world, plan), 3, model, optim)
+        del model, optim
+        model, optim = _build(world, plan)
+        step = checkpoint.load(checkpoint.step_path(_saved_at(tmp, world, plan), 3), model, optim)
+        rest = _train(model, optim, rank, world, range(step + 1, JOB_STEPS + 1))
+        resumed_state = _full_state(model, optim)
+        if rank == 0:
+            out["resume"][plan] = {"whole": whole, "resumed": first + rest, "step": step,
+                                   "whole_state": whole_state, "resumed_state": resumed_state}
+            torch.save(saved_state, os.path.join(tmp, _name(world, plan) + ".state.pt"))
+    out["reshard"] = _load_reshards(rank, world, tmp)
+    return out if rank == 0 else None
+
+
+def _load_reshards(rank, world, tmp):
+    """Load every RESHARDS source meant for this world; return the full states (rank 0) and
+    re-save them under this world's plan for the next world to load."""
+    from amsp_dtensor import checkpoint
+
+    loaded = {}
+    for (src_world, src_plan), (dst_world, dst_plan) in RESHARDS:
+        if dst_world != world:
+            continue
+        model, optim = _build(world, dst_plan)
+        step = checkpoint.load(checkpoint.step_path(_saved_at(tmp, src_world, src_plan), 3),
+                               model, optim)
+        state = _full_state(model, optim)
+        if rank == 0:
+            loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))] = (step, state)
+        checkpoint.save(_saved_at(tmp, dst_world, dst_plan), 3, model, optim)
+        # one step more: training goes on from the loaded state
+        loss = _train(model, optim, rank, world, [step + 1])[0]
+        if rank == 0:
+            loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))] += (loss,)
+    return loaded
+
+
+def _world8(rank, world, tmp):
+    loaded = _load_reshards(rank, world, tmp)
+    return loaded if rank == 0 else None
+
+
+# ---- mismatches (2 ranks) ---------------------------------------------------------------
+def _mismatch_cases(tmp):
+    """name -> (what to build, which checkpoint to load, load with the optimizer?)."""
+    from amsp_dtensor.testing.tiny_llama import TinyLlamaConfig
+
+    source = os.path.join(_saved_at(tmp, 2, (1, 2, 2)), "step-3")
+    return {
+        "interrupted": (dict(), os.path.join(tmp, "interrupted", "step-4"), True),
+        "shape": (dict(cfg=TinyLlamaConfig(ffn_dim=48)), source, True),
+        "missing": (dict(cfg=TinyLlamaConfig(n_layers=3)), source, True),
+        "extra": (dict(cfg=TinyLlamaConfig(n_layers=1)), source, True),
+        "optimizer_class": (dict(optimizer=torch.optim.SGD, momentum=0.9), source, True),
+        "optimizer_settings": (dict(amsgrad=True), source, True),
+        "model_only": (dict(), os.path.join(tmp, "model_only", "step-3"), True),
+        "optimizer_left_out": (dict(), source, False),
+    }
+
+
+def _world2(rank, world, tmp):
+    from amsp_dtensor import checkpoint
+
+    out = {"reshard": _load_reshards(rank, world, tmp)}
+    # the reference of the torchrun fault jobs
+    model, optim = _build(world, JOB_PLAN)
+    losses = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
+    out["job_reference"] = {"losses": losses, "weights": _full_state(model, optim)["weights"]}
+    # checkpoints that do not fit
+    checkpoint.save(os.path.join(tmp, "model_only"), 3, model)
+    checkpoint.save(os.path.join(tmp, "interrupted"), 4, model, optim)
+    torch.distributed.barrier()
+    if rank == 0:
+        os.remove(os.path.join(tmp, "interrupted", "step-4", ".metadata"))
+    torch.distributed.barrier()
+    errors = {}
+    for name, (build, path, with_optim) in _mismatch_cases(tmp).items():
+        build = dict(build)
+        model, optim = _build(world, (1, 1, 2), build.pop("cfg", None),
+                              build.pop("optimizer", torch.optim.AdamW), **build)
+        start = time.monotonic()
+        try:
+            checkpoint.load(path, model, optim if with_optim else None)
+            errors[name] = None
+        except checkpoint.CheckpointMismatch as e:
+            errors[name] = (str(e), time.monotonic() - start)
+    torch.distributed.barrier()  # every rank is past every failed load: none hangs
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("checkpoints"))
+    w4 = run_on_ranks(_world4, 4, 2, tmp, timeout=300)[0]
+    w8 = run_on_ranks(_world8, 8, 4, tmp, timeout=300)[0]
+    w2 = run_on_ranks(_world2, 2, 1, tmp, timeout=300)
+    return {"tmp": tmp, "w4": w4, "w8": w8, "w2": w2}
+
+
+# ---- resume ------------------------------------------------------------------------------
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("plan", RESUME_PLANS, ids=[_name(4, p) for p in RESUME_PLANS])
+def test_resume_continues_the_run(results, plan):
+    r = results["w4"]["resume"][plan]
+    assert r["step"] == 3
+    assert r["whole"] == pytest.approx(r["resumed"], abs=1e-6)
+    assert r["whole"][3] != r["whole"][2]  # the steps after the resume trained
+    assert _max_diff(r["whole_state"]["weights"], r["resumed_state"]["weights"]) <= 1e-6
+    assert _max_diff(r["whole_state"]["optim"], r["resumed_state"]["optim"]) <= 1e-6
+
+
+# ---- reshard -----------------------------------------------------------------------------
+@pytest.mark.parametrize("pair", RESHARDS, ids=[f"{_name(*s)}-to-{_name(*d)}" for s, d in RESHARDS])
+def test_reshard_round_trip_is_exact(results, pair):
+    (src_world, src_plan), (dst_world, dst_plan) = pair
+    loaded = {2: results["w2"][0]["reshard"], 4: results["w4"]["reshard"],
+              8: results["w8"]}[dst_world]
+    step, state, loss = loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))]
+    # every source was saved at step 3 from the 4-rank run (8-rank ones re-saved unchanged)
+    origin = {(8, (1, 8, 8)): (4, (2, 2, 4)), (8, (4, 4, 8)): (4, (1, 4, 4))}.get(
+        (src_world, src_plan), (src_world, src_plan))
+    saved = torch.load(os.path.join(results["tmp"], _name(*origin) + ".state.pt"))
+    assert step == 3
+    for kind in ("weights", "optim"):
+        assert saved[kind].keys() == state[kind].keys()
+        for key in saved[kind]:
+            assert torch.equal(saved[kind][key], state[kind][key]), (kind, key)
+    assert len(saved["optim"]) == 4 * len(saved["weights"])  # master, exp_avg, exp_avg_sq, step
+    assert torch.isfinite(torch.tensor(loss))
+
+
+# ---- faults under torchrun ----------------------------------------------------------------
+def _torchrun(tmp, name, max_restarts, faults, save_every):
+    ckpt, out = os.path.join(tmp, name, "ckpt"), os.path.join(tmp, name, "out")
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", str(max_restarts), "-m", "amsp_dtensor.testing.checkpoint_job",
+           "--dir", ckpt, "--out", out, "--plan", ",".join(map(str, JOB_PLAN)),
+           "--steps", str(JOB_STEPS), "--save-every", str(save_every), "--faults", faults]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # the shared store, as by default
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    resumed = {e["attempt"]: e["resumed_from"] for e in events if "resumed_from" in e}
+    losses = {}
+    for e in events:
+        if "loss" in e:
+            losses[e["step"]] = e["loss"]  # a step run again after a restart: the last one
+    weights = torch.load(os.path.join(out, "weights.pt"))
+    return resumed, [losses[s] for s in sorted(losses)], weights, ckpt
+
+
+def _check_against_reference(results, losses, weights):
+    reference = results["w2"][0]["job_reference"]
+    assert len(losses) == JOB_STEPS
+    assert losses == pytest.approx(reference["losses"], abs=1e-6)
+    assert _max_diff(weights, reference["weights"]) <= 1e-6
+
+
+def test_rank_killed_during_saves_resumes_from_last_complete_checkpoint(results):
+    # attempt 0: rank 1 dies when asked for its plan in step 2's save (nothing written);
+    # attempt 1: rank 1 dies right after writing its data in step 3's save;
+    # attempt 2: rank 0 (DCP's coordinator) dies in step 4's save before .metadata exists.
+    faults = "0:plan:2:1,1:written:3:1,2:finish:4:0"
+    resumed, losses, weights, ckpt = _torchrun(results["tmp"], "save_faults", 3, faults, 1)
+    assert resumed == {0: None, 1: 1, 2: 2, 3: 3}
+    _check_against_reference(results, losses, weights)
+    from amsp_dtensor import checkpoint
+
+    assert checkpoint.latest_step(ckpt) == JOB_STEPS
+
+
+def test_rank_killed_in_a_step_restarts_under_torchrun(results):
+    # rank 1 dies in the backward of step 4; the last complete checkpoint is step 2's
+    resumed, losses, weights, _ = _torchrun(results["tmp"], "step_fault", 1, "0:train:4:1", 2)
+    assert resumed == {0: None, 1: 2}
+    _check_against_reference(results, losses, weights)
+
+
+# ---- mismatches -----------------------------------------------------------------------------
+MISMATCH_MESSAGES = {
+    "interrupted": "is not a complete checkpoint (no .metadata: its save was interrupted)",
+    "shape": "does not fit: model layers.0.feed_forward",
+    "missing": "does not fit: 9 model entries of this job missing from it (first: layers.2.",
+    "extra": "does not fit: it has 9 model entries this job lacks (first: layers.1.",
+    "optimizer_class": "was saved with AdamW and this optimizer is SGD",
+    "optimizer_settings": "optimizer state entr",
+    "model_only": "holds model weights only: load it with optimizer=None",
+    "optimizer_left_out": "this model already has an AMSPOptimizer",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISMATCH_MESSAGES))
+def test_mismatched_checkpoint_stops_every_rank_with_one_line(results, name):
+    messages = [rank_results["errors"][name] for rank_results in results["w2"]]
+    assert all(m is not None for m in messages), f"{name}: the load did not fail"
+    texts = {text for text, _ in messages}
+    assert len(texts) == 1, texts  # every rank, the same verdict
+    text = texts.pop()
+    assert "\n" not in text
+    assert MISMATCH_MESSAGES[name] in text, text
+    assert all(seconds < 60 for _, seconds in messages)
