@@ -208,16 +208,19 @@ def check_fits(path: str | Path, state: dict[str, Any], saved: dict[str, Any]) -
             f"{state['amsp']['optimizer_class']}: build AMSPOptimizer(model, "
             f"torch.optim.{saved['optimizer_class']}, ...) to resume, or load with "
             f"optimizer=None to keep only the weights")
-    for section, what in (("model", "model"), ("optim", "optimizer state"), ("extra", "extra")):
-        if section not in state:
+    for section, what, hint in (("model", "model", ""),
+                                ("optim.state", "optimizer state", " (other optimizer settings?)"),
+                                ("extra", "extra", "")):
+        if section.split(".")[0] not in state:
             continue
         wanted: dict[str, tuple] = {}
-        _tensor_entries(section, state[section], wanted)
+        _tensor_entries("", state, wanted)
+        wanted = {k: v for k, v in wanted.items() if k.startswith(section + ".")}
         have = {k: v for k, v in stored.items() if k.startswith(section + ".")}
-        _compare(path, what, section, wanted, have)
+        _compare(path, what, section, wanted, have, hint)
 
 
-def _compare(path, what: str, section: str, wanted: dict, have: dict) -> None:
+def _compare(path, what: str, section: str, wanted: dict, have: dict, hint: str) -> None:
     def name(key: str) -> str:
         return key[len(section) + 1:]
 
@@ -225,7 +228,7 @@ def _compare(path, what: str, section: str, wanted: dict, have: dict) -> None:
     if missing:
         raise CheckpointMismatch(
             f"{path} does not fit: {len(missing)} {what} entr{'y' if len(missing) == 1 else 'ies'} "
-            f"of this job missing from it (first: {name(missing[0])})")
+            f"of this job missing from it{hint} (first: {name(missing[0])})")
     unexpected = sorted(set(have) - set(wanted))
     if unexpected:
         raise CheckpointMismatch(

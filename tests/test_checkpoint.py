@@ -295,7 +295,8 @@ MISMATCH_MESSAGES = {
     "missing": "does not fit: 9 model entries of this job missing from it (first: layers.2.",
     "extra": "does not fit: it has 9 model entries this job lacks (first: layers.1.",
     "optimizer_class": "was saved with AdamW and this optimizer is SGD",
-    "optimizer_settings": "optimizer state entr",
+    "optimizer_settings": "21 optimizer state entries of this job missing from it (other "
+                          "optimizer settings?) (first: layers.0.attention.wk.weight.max_exp_avg_sq)",
     "model_only": "holds model weights only: load it with optimizer=None",
     "optimizer_left_out": "this model already has an AMSPOptimizer",
 }
