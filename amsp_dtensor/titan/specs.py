@@ -2,9 +2,10 @@
 
 A torchtitan job picks its model *and* its parallelism through ``[model] name``: the
 TrainSpec registered under that name carries the parallelize_fn. The AMSP variant of a
-spec is the same spec (model, flavors, tokenizer, data loader, loss, LR schedulers,
+spec is the same spec (model, flavors, tokenizer, dataset, loss, LR schedulers,
 validator, state-dict adapter) with AMSP's parallelize_fn, optimizer container and
-metrics processor, and no pipelining_fn. So
+metrics processor, torchtitan's text data loader made resumable on another world size
+(``dataloader``), and no pipelining_fn. So
 
     --model.name qwen3       torchtitan's own FSDP2 (the baseline; [amsp] is not read)
     --model.name qwen3_amsp  the same model trained under the [amsp] plan
