@@ -192,9 +192,6 @@ def _tensor_entries(prefix: str, tree: Any, out: dict[str, tuple]) -> None:
 def check_fits(path: str | Path, state: dict[str, Any], saved: dict[str, Any]) -> None:
     """Raise CheckpointMismatch (one line) if the checkpoint at ``path`` cannot be loaded
     into ``state`` (as built by save's _job_state) exactly."""
-    metadata = FileSystemReader(str(path)).read_metadata()
-    stored = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
-              if isinstance(md, TensorStorageMetadata)}
     if saved["format"] != FORMAT_VERSION:
         raise CheckpointMismatch(f"{path} has checkpoint format {saved['format']}; this "
                                  f"version of amsp_dtensor reads format {FORMAT_VERSION}")
@@ -208,21 +205,44 @@ def check_fits(path: str | Path, state: dict[str, Any], saved: dict[str, Any]) -
             f"{state['amsp']['optimizer_class']}: build AMSPOptimizer(model, "
             f"torch.optim.{saved['optimizer_class']}, ...) to resume, or load with "
             f"optimizer=None to keep only the weights")
-    for section, what, hint in (("model", "model", ""),
-                                ("optim.state", "optimizer state", " (other optimizer settings?)"),
-                                ("extra", "extra", "")):
-        if section.split(".")[0] not in state:
-            continue
-        wanted: dict[str, tuple] = {}
-        _tensor_entries("", state, wanted)
-        wanted = {k: v for k, v in wanted.items() if k.startswith(section + ".")}
-        have = {k: v for k, v in stored.items() if k.startswith(section + ".")}
-        _compare(path, what, section, wanted, have, hint)
+    check_entries_fit(path, state, [("model", "model", ""),
+                                    ("optim.state", "optimizer state", OTHER_SETTINGS),
+                                    ("extra", "extra", "")])
+
+
+OTHER_SETTINGS = " (other optimizer settings?)"
+
+
+def check_entries_fit(path: str | Path, state: dict[str, Any],
+                      sections: list[tuple[str, str, str]], others: tuple[str, ...] = ()) -> None:
+    """Compare the tensors of ``state`` with the checkpoint's metadata (a local file read),
+    one section at a time: ``(key prefix, what to call it, hint)``. The prefix "" means the
+    tensors at the top level (where torchtitan keeps the model's), compared with every
+    stored key outside the other sections and outside ``others`` (prefixes of entries that
+    are not checked, e.g. torchtitan's "lr_scheduler"). Raises CheckpointMismatch on the
+    first missing entry, unexpected entry or other shape."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    stored = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+              if isinstance(md, TensorStorageMetadata)}
+    wanted_all: dict[str, tuple] = {}
+    _tensor_entries("", state, wanted_all)
+    nested = [p for p, _, _ in sections if p] + list(others)
+    for prefix, what, hint in sections:
+        if prefix:
+            if prefix.split(".")[0] not in state:
+                continue
+            wanted = {k: v for k, v in wanted_all.items() if k.startswith(prefix + ".")}
+            have = {k: v for k, v in stored.items() if k.startswith(prefix + ".")}
+        else:
+            wanted = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+            have = {k: v for k, v in stored.items()
+                    if not any(k.startswith(p.split(".")[0] + ".") for p in nested)}
+        _compare(path, what, prefix, wanted, have, hint)
 
 
 def _compare(path, what: str, section: str, wanted: dict, have: dict, hint: str) -> None:
     def name(key: str) -> str:
-        return key[len(section) + 1:]
+        return key[len(section) + 1:] if section else key
 
     missing = sorted(set(wanted) - set(have))
     if missing:

@@ -9,7 +9,9 @@ that moves one of them breaks here, by name, and ``tests/test_compat.py`` says w
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -138,7 +140,7 @@ def cuda_sleep(cycles: int) -> None:
     torch.cuda._sleep(cycles)
 
 
-def init_process_group(backend: str, **kwargs) -> None:
+def init_process_group(backend: str | None = None, **kwargs) -> None:
     """``torch.distributed.init_process_group(backend)`` for a job torchrun launched (env://),
     with each restart attempt in its own key space of torchrun's store.
 
@@ -152,18 +154,34 @@ def init_process_group(backend: str, **kwargs) -> None:
     import os
     from datetime import timedelta
 
+    from torch.distributed import distributed_c10d  # the definition, never the patched name
+
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
-        torch.distributed.init_process_group(backend, **kwargs)
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None
+            or kwargs.get("store") is not None or kwargs.get("init_method") not in (None, "env://")):
+        distributed_c10d.init_process_group(backend, **kwargs)
         return
-    timeout = kwargs.pop("timeout", timedelta(minutes=10))
+    kwargs.pop("init_method", None)
+    timeout = kwargs.pop("timeout", None) or timedelta(minutes=10)
+    world_size = int(os.environ["WORLD_SIZE"])
     store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-        world_size=int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    torch.distributed.init_process_group(
-        backend, store=torch.distributed.PrefixStore(f"amsp/attempt_{attempt}", store),
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout, **kwargs)
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world_size,
+        is_master=False, timeout=timeout)
+    kwargs.update(rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+    distributed_c10d.init_process_group(
+        backend, store=torch.distributed.PrefixStore(f"amsp/attempt_{attempt}", store), **kwargs)
+
+
+@contextlib.contextmanager
+def torchrun_restart_safe_init() -> Iterator[None]:
+    """While active, ``torch.distributed.init_process_group`` is ``init_process_group``
+    above: for torchtitan's ``init_distributed``, which calls it by that name."""
+    original = torch.distributed.init_process_group
+    torch.distributed.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        torch.distributed.init_process_group = original
 
 
 def destroy_process_group_at_exit() -> None:

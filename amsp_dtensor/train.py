@@ -127,25 +127,6 @@ def quiet_other_ranks() -> None:
         logger.setLevel(logging.ERROR)
 
 
-def warn_shared_rendezvous_store() -> None:
-    """One warning when torchrun may restart this job and shares its rendezvous store.
-
-    Seen here with torch 2.13 and gloo: after ``torchrun --max-restarts 1`` restarted the
-    ranks (one was killed), the new ranks hung in torchtitan's init_process_group; with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set for torchrun they loaded the last checkpoint
-    and finished. The variable is read by torchrun's agent, so a worker cannot set it.
-    """
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _rank() == 0:
-        from torchtitan.tools.logging import logger
-
-        logger.warning(
-            f"torchrun --max-restarts {restarts} shares its rendezvous store with the ranks, and "
-            "restarted ranks can hang in init_process_group (torch 2.13); start torchrun with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
-        )
-
-
 def check_amsp(job_config):
     """Validate [amsp] and the model for this world (WORLD_SIZE / LOCAL_WORLD_SIZE);
     None if not an AMSP model."""
@@ -201,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
 
     init_logger()
     quiet_other_ranks()
-    warn_shared_rendezvous_store()
     try:
         job_config = parse_job_config(argv)
         plan = check_amsp(job_config)
@@ -213,7 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
                     f"({plan.ranks_per_node} per node)")
     prepare_data(job_config)
-    run(job_config)
+    from amsp_dtensor.checkpoint import CheckpointMismatch
+
+    try:
+        run(job_config)
+    except CheckpointMismatch as e:  # every rank reaches it before any collective of the load
+        print(f"[rank{_rank()}] amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return 2
     return 0
 
 

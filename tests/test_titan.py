@@ -19,16 +19,18 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "debug_cpu.toml"
 
 
-def torchrun(args: list[str], dump: Path, nproc: int = 4, timeout: int = 280) -> subprocess.CompletedProcess:
-    """``torchrun -m amsp_dtensor.train`` on the debug recipe, dump folder ``dump``."""
+def torchrun(args: list[str], dump: Path, nproc: int = 4, timeout: int = 280,
+             launcher: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun [launcher] -m amsp_dtensor.train`` on the debug recipe, dump folder
+    ``dump``, with ``env`` added to the environment."""
     cmd = [
         "timeout", str(timeout),
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--standalone",  # a free port: a fixed one collides with any other job
-        "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
+        *launcher, "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
         "--job.dump_folder", str(dump), *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

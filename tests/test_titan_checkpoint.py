@@ -250,16 +250,65 @@ def test_other_ranks_keep_errors_and_drop_warnings(monkeypatch, caplog):
     assert shown["1"] == ["titan-error"], shown
 
 
-def test_restartable_torchrun_with_a_shared_store_gets_one_warning(monkeypatch, caplog):
-    import amsp_dtensor.titan  # noqa: F401  (the CPU shims, before torchtitan's logger)
-    from amsp_dtensor import train
+@pytest.fixture(scope="module")
+def restarted_on_4(tmp_path_factory):
+    """The saved_on_4 job again, rank 1 killed (SIGKILL) at the start of step 3 in the
+    first attempt, under torchrun --max-restarts 1 with its default shared store."""
+    dump = tmp_path_factory.mktemp("restarted_on_4")
+    env = {"AMSP_TEST_KILL": "1:3"}
+    proc = torchrun([*SHORT, "--experimental.custom_import", "amsp_dtensor.testing.titan_fault"],
+                    dump, nproc=4, timeout=400, launcher=("--max-restarts", "1"), env=env)
+    return dump, proc.stdout + proc.stderr
 
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("RANK", "0")
-    for restarts, expected in (("0", 0), ("3", 1)):
-        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            train.warn_shared_rendezvous_store()
-        found = [r for r in caplog.records if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage()]
-        assert len(found) == expected, (restarts, caplog.records)
+
+@multiproc
+def test_rank_killed_in_step_3_restarts_from_step_2_with_the_same_curve(saved_on_4, restarted_on_4):
+    saved, _ = saved_on_4
+    dump, log = restarted_on_4
+    assert "exitcode  : -9" in log or "exitcode: -9" in log, log[-3000:]  # the kill happened
+    assert "checkpoint/step-2" in log and "Training starts at step 3" in log, log[-3000:]
+    want, got = _losses(saved), _losses(dump)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
+
+
+def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
+    """The check AmspTrainer puts before torchtitan's DCP load: torchtitan's layout (model
+    tensors at the top level, the optimizer under "optimizer", other states not compared)."""
+    import torch.distributed.checkpoint as dcp
+
+    from amsp_dtensor.checkpoint import CheckpointMismatch
+    from amsp_dtensor.titan.trainer import _refuse_misfits
+
+    class Stateful:
+        def __init__(self, sd):
+            self.sd = sd
+
+        def state_dict(self):
+            return self.sd
+
+    def optimizer(n):
+        return {"amsp_optim.0": {"state": {f"w{i}": {"exp_avg": torch.zeros(4, 4)} for i in range(n)}}}
+
+    saved = {"w0": torch.ones(4, 4), "w1": torch.ones(4, 4), "optimizer": optimizer(2),
+             "train_state": {"step": torch.tensor(2)}}
+    dcp.save(saved, checkpoint_id=tmp_path / "step-2", no_dist=True)
+    loaded = []
+    load = _refuse_misfits(lambda state_dict, checkpoint_id, **kw: loaded.append(checkpoint_id))
+    fits = {"w0": torch.ones(4, 4), "w1": torch.ones(4, 4), "optimizer": Stateful(optimizer(2)),
+            "train_state": Stateful({"step": torch.tensor(0)})}
+    load(fits, checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
+    assert loaded == [str(tmp_path / "step-2")]
+    cases = {
+        "has shape [4, 4] in the checkpoint and [4, 5] here": {**fits, "w1": torch.ones(4, 5)},
+        "1 model entry of this job missing from it (first: w2)": {**fits, "w2": torch.ones(4, 4)},
+        "it has 1 model entry this job lacks (first: w1)": {"w0": fits["w0"], "optimizer": fits["optimizer"]},
+        "1 optimizer state entry of this job missing from it (other optimizer settings?) "
+        "(first: amsp_optim.0.state.w2.exp_avg)": {**fits, "optimizer": Stateful(optimizer(3))},
+    }
+    for message, states in cases.items():
+        with pytest.raises(CheckpointMismatch) as e:
+            load(states, checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
+        assert message in str(e.value) and "\n" not in str(e.value)
+    assert len(loaded) == 1  # DCP was never reached for a misfit

@@ -6,7 +6,10 @@ micro-batches but the last under ``amsp.no_sync(model)``, routes torchtitan's
 ``clip_grad_norm_`` call to the AMSP optimizer (the model's params carry no .grad), and
 records the step's collectives and per-state memory for the metrics logger, and lets the
 AMSP data loader see which keys a checkpoint holds before it is loaded (so a job resumes on
-another world size, see dataloader.py). For any
+another world size, see dataloader.py). A checkpoint that does not fit the model or the
+optimizer stops every rank with one line before DCP's collective load starts, and
+torchrun restarts (``--max-restarts``) get a process group of their own (see
+compat.init_process_group). For any
 non-AMSP model (e.g. ``--model.name llama3``, torchtitan's own FSDP) it is the plain
 torchtitan Trainer, which is how the equivalence tests get their baseline.
 """
@@ -21,6 +24,8 @@ import torch
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
+from .. import compat
+from ..checkpoint import OTHER_SETTINGS, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
 from .parallelize import amsp_plan_of
 from .weights import reinit_like_single_process
@@ -68,7 +73,34 @@ def _dataloader_keys_before_load(dcp_load, dataloader: ReshardableDataloader):
     return load
 
 
+# torchtitan's CheckpointManager state keys that are not tensors of the model
+_TITAN_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def _refuse_misfits(dcp_load):
+    """Wrap CheckpointManager.dcp_load: compare the checkpoint's metadata with the model's
+    and the AMSP optimizer's tensors first (a local read on every rank, so all of them
+    raise the same one-line CheckpointMismatch and none waits in DCP's load)."""
+
+    def load(state_dict, checkpoint_id, *args, **kwargs):
+        from_hf = kwargs.get("from_hf", args[0] if args else False)
+        if not from_hf:
+            wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+            if "optimizer" in state_dict:
+                wanted["optimizer"] = state_dict["optimizer"].state_dict()
+            check_entries_fit(checkpoint_id, wanted,
+                              [("", "model", ""), ("optimizer", "optimizer state", OTHER_SETTINGS)],
+                              others=_TITAN_SECTIONS)
+        return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+
+    return load
+
+
 class AmspTrainer(Trainer):
+    def init_distributed(self):
+        with compat.torchrun_restart_safe_init():
+            return super().init_distributed()
+
     def __init__(self, job_config):
         super().__init__(job_config)
         self.amsp_plan = amsp_plan_of(self.model_parts[0])
@@ -82,6 +114,8 @@ class AmspTrainer(Trainer):
         if self.amsp_plan is not None and amsp_cfg is not None:
             for opt in self.optimizers.optimizers:
                 opt.overlap_param_update = amsp_cfg.overlap_param_update
+        if self.amsp_plan is not None:
+            self.checkpointer.dcp_load = _refuse_misfits(self.checkpointer.dcp_load)
         if isinstance(self.dataloader, ReshardableDataloader):
             self.checkpointer.dcp_load = _dataloader_keys_before_load(
                 self.checkpointer.dcp_load, self.dataloader)
