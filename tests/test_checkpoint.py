@@ -246,7 +246,8 @@ def _torchrun(tmp, name, max_restarts, faults, save_every):
            "--max-restarts", str(max_restarts), "-m", "amsp_dtensor.testing.checkpoint_job",
            "--dir", ckpt, "--out", out, "--plan", ",".join(map(str, JOB_PLAN)),
            "--steps", str(JOB_STEPS), "--save-every", str(save_every), "--faults", faults]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # the shared store, as by default
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -312,3 +312,36 @@ def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
             load(states, checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
         assert message in str(e.value) and "\n" not in str(e.value)
     assert len(loaded) == 1  # DCP was never reached for a misfit
+
+
+def test_rng_state_comes_back_and_a_rank_the_checkpoint_lacks_keeps_its_own(tmp_path, monkeypatch):
+    """AmspTrainer's ``amsp_rng`` state through the same load wrapper torchtitan's load goes
+    through: the draws after a resume are the uninterrupted run's; a rank the saving run
+    did not have asks DCP for nothing (the load would fail on a missing key) and keeps its
+    seeded stream."""
+    import torch.distributed.checkpoint as dcp
+
+    from amsp_dtensor.titan import rng as rng_module
+    from amsp_dtensor.titan.trainer import _refuse_misfits
+
+    def dcp_load(state_dict, checkpoint_id, **kw):
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, no_dist=True)
+
+    load = _refuse_misfits(dcp_load)
+    torch.manual_seed(7)
+    torch.rand(5)  # some training
+    dcp.save({"w0": torch.ones(2), "amsp_rng": rng_module.RngState()},
+             checkpoint_id=tmp_path / "step-2", no_dist=True)
+    uninterrupted = torch.rand(4)
+    torch.manual_seed(42)  # a fresh job seeds again
+    load({"w0": torch.zeros(2), "amsp_rng": rng_module.RngState()},
+         checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
+    assert torch.equal(torch.rand(4), uninterrupted)
+
+    monkeypatch.setattr(rng_module, "_rank", lambda: 5)
+    torch.manual_seed(42)
+    seeded = torch.rand(4)
+    torch.manual_seed(42)
+    load({"w0": torch.zeros(2), "amsp_rng": rng_module.RngState()},
+         checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
+    assert torch.equal(torch.rand(4), seeded)

@@ -20,6 +20,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
@@ -27,6 +28,8 @@ from torchtitan.train import Trainer
 from .. import compat
 from ..checkpoint import OTHER_SETTINGS, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
+from .rng import STATE_KEY as RNG_KEY
+from .rng import RngState
 from .parallelize import amsp_plan_of
 from .weights import reinit_like_single_process
 
@@ -74,7 +77,7 @@ def _dataloader_keys_before_load(dcp_load, dataloader: ReshardableDataloader):
 
 
 # torchtitan's CheckpointManager state keys that are not tensors of the model
-_TITAN_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+_TITAN_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state", RNG_KEY)
 
 
 def _refuse_misfits(dcp_load):
@@ -84,14 +87,22 @@ def _refuse_misfits(dcp_load):
 
     def load(state_dict, checkpoint_id, *args, **kwargs):
         from_hf = kwargs.get("from_hf", args[0] if args else False)
-        if not from_hf:
-            wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-            if "optimizer" in state_dict:
-                wanted["optimizer"] = state_dict["optimizer"].state_dict()
-            check_entries_fit(checkpoint_id, wanted,
-                              [("", "model", ""), ("optimizer", "optimizer state", OTHER_SETTINGS)],
-                              others=_TITAN_SECTIONS)
-        return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        if from_hf:
+            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        if "optimizer" in state_dict:
+            wanted["optimizer"] = state_dict["optimizer"].state_dict()
+        check_entries_fit(checkpoint_id, wanted,
+                          [("", "model", ""), ("optimizer", "optimizer state", OTHER_SETTINGS)],
+                          others=_TITAN_SECTIONS)
+        rng = state_dict.get(RNG_KEY)
+        if rng is None:
+            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        rng.expect_checkpoint(set(FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata))
+        try:
+            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        finally:
+            rng.expect_checkpoint(None)
 
     return load
 
@@ -115,6 +126,7 @@ class AmspTrainer(Trainer):
             for opt in self.optimizers.optimizers:
                 opt.overlap_param_update = amsp_cfg.overlap_param_update
         if self.amsp_plan is not None:
+            self.checkpointer.states[RNG_KEY] = RngState()
             self.checkpointer.dcp_load = _refuse_misfits(self.checkpointer.dcp_load)
         if isinstance(self.dataloader, ReshardableDataloader):
             self.checkpointer.dcp_load = _dataloader_keys_before_load(
