@@ -14,18 +14,21 @@ folder without ``.metadata``, and ``latest_step`` (like torchtitan's checkpointe
 it: a resume picks the previous complete checkpoint. ``save`` never writes into a folder
 that already holds a complete checkpoint.
 
-[Note: every rank decides alone whether a checkpoint fits]
+[Note: every rank decides whether a checkpoint fits, then they agree]
 A checkpoint that does not fit the model (other shapes, missing or extra entries, another
 optimizer or optimizer settings, a model-only save) would otherwise fail inside DCP's
 collective load planning, with one traceback per rank, or load part of the model
 silently. ``load`` compares the checkpoint's metadata (a local file read) with this job's
-state dict before any collective, so every rank reaches the same verdict and raises
-``CheckpointMismatch`` with one line naming what differs; no rank waits on another.
+state dict, then the ranks exchange their verdicts (and the folder each is loading) in one
+all-gather before DCP starts: if any rank found a misfit, or could not read the folder,
+every rank raises the same one-line ``CheckpointMismatch``; no rank is left in DCP's
+collectives while another has given up.
 
 What a checkpoint holds: the model, the optimizer (unless ``optimizer=None``), the step,
-each rank's torch RNG state (restored when the world size is unchanged) and an optional
-``extra`` dict of the caller's (data loader position, ...), which must have the same keys
-and tensor shapes when loading.
+each rank's RNG state (torch CPU, and CUDA when present; restored when the world size is
+unchanged), ``extra`` (the caller's values every rank holds alike, e.g. the global
+sample count: DCP saves a key all ranks hold once) and ``rank_extra`` (each rank's own,
+e.g. its data loader position; saved per rank and restored on the same world size only).
 """
 
 from __future__ import annotations
@@ -86,11 +89,26 @@ def _world_size() -> int:
 
 
 def _optimizer_name(optimizer) -> str:
-    inner = getattr(optimizer, "inner", optimizer)
-    return type(inner).__name__
+    cls = getattr(optimizer, "optimizer_class", None) or type(optimizer)
+    return cls.__name__
 
 
-def _job_state(model, optimizer, step: int, extra: dict | None) -> dict[str, Any]:
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's torch RNG state: CPU, and the current CUDA device's when there is one."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _job_state(model, optimizer, step: int, extra: dict | None,
+               rank_extra: dict | None) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
@@ -100,63 +118,99 @@ def _job_state(model, optimizer, step: int, extra: dict | None) -> dict[str, Any
         "world_size": _world_size(),
         "optimizer_class": _optimizer_name(optimizer) if optimizer is not None else "",
     }
-    # One key per rank: DCP keeps each (a key every rank holds would be saved once).
-    state["rng"] = {f"rank{_rank()}": torch.get_rng_state()}
+    # One key per rank: DCP keeps each (a key every rank holds is saved once).
+    state["rng"] = {f"rank{_rank()}": rng_state()}
     if extra is not None:
         state["extra"] = extra
+    if rank_extra is not None:
+        state["rank_extra"] = {f"rank{_rank()}": rank_extra}
     return state
 
 
 def save(directory: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None,
-         storage_writer=None) -> Path:
-    """Save model, optimizer, step, RNG state and ``extra`` to ``directory/step-<step>``
-    (a collective: every rank calls it). ``storage_writer``: a DCP StorageWriter for that
-    path (default: FileSystemWriter)."""
+         rank_extra: dict | None = None, storage_writer=None) -> Path:
+    """Save model, optimizer, step, RNG state, ``extra`` (alike on every rank) and
+    ``rank_extra`` (this rank's own) to ``directory/step-<step>`` (a collective: every rank
+    calls it). ``storage_writer``: a DCP StorageWriter for that path (default:
+    FileSystemWriter)."""
     path = step_path(directory, step)
     if is_complete(path):
         raise FileExistsError(f"{path} already holds a complete checkpoint; save step {step} "
                               f"elsewhere or remove it first")
-    state = _job_state(model, optimizer, step, extra)
+    state = _job_state(model, optimizer, step, extra, rank_extra)
     dcp.save(state, checkpoint_id=path, storage_writer=storage_writer)
     return path
 
 
-def load(path: str | Path, model, optimizer=None, *, extra: dict | None = None) -> int:
+def load(path: str | Path, model, optimizer=None, *, extra: dict | None = None,
+         rank_extra: dict | None = None) -> int:
     """Load a checkpoint written by ``save`` (under any plan and world size) into ``model``
-    and ``optimizer`` and, in place, into the tensors of ``extra``; returns its step.
+    and ``optimizer`` and, in place, into ``extra`` and ``rank_extra``; returns its step.
 
-    Raises CheckpointMismatch, on every rank and before any collective, when it does not fit.
-    ``optimizer=None`` loads the weights only; build the AMSPOptimizer afterwards, since it
-    takes its fp32 masters from the parameters when it is built.
+    Raises CheckpointMismatch, the same line on every rank and before DCP starts, when it
+    does not fit. ``optimizer=None`` loads the weights only; build the AMSPOptimizer
+    afterwards, since it takes its fp32 masters from the parameters when it is built.
+    ``rank_extra`` is loaded on the same world size only (on another, rank 0 warns and the
+    values passed in stay), as is the RNG state.
     """
     path = Path(path)
-    _check_complete(path)
-    model_state = getattr(model, "_amsp_state", None)
-    if optimizer is None and model_state is not None and model_state.optimizer_bound:
-        raise CheckpointMismatch(
-            "this model already has an AMSPOptimizer, whose master weights would keep their "
-            "old values: pass it as optimizer=, or load the weights before building it")
-    state = _job_state(model, optimizer, 0, extra)
-    saved = _read_job_info(path)
-    check_fits(path, state, saved)
+    error, saved, state = None, None, None
+    try:
+        check_complete(path)
+        model_state = getattr(model, "_amsp_state", None)
+        if optimizer is None and model_state is not None and model_state.optimizer_bound:
+            raise CheckpointMismatch(
+                "this model already has an AMSPOptimizer, whose master weights would keep "
+                "their old values: pass it as optimizer=, or load the weights before building it")
+        state = _job_state(model, optimizer, 0, extra, rank_extra)
+        saved = _read_job_info(path)
+        check_fits(path, state, saved)
+    except (CheckpointMismatch, OSError) as e:
+        error = str(e) if isinstance(e, CheckpointMismatch) else f"{path}: {e}"
+    _agree(path, error)
     same_world = saved["world_size"] == _world_size()
-    rng = state.pop("rng")
-    if same_world:
-        state["rng"] = rng
+    for key in ("rng", "rank_extra"):
+        if not same_world:
+            state.pop(key, None)
     dcp.load(state, checkpoint_id=path)
     if optimizer is not None:
         optimizer.load_state_dict(state["optim"])
     else:
         model.load_state_dict(state["model"])
     if same_world:
-        torch.set_rng_state(state["rng"][f"rank{_rank()}"])
+        set_rng_state(state["rng"][f"rank{_rank()}"])
+        if rank_extra is not None:
+            rank_extra.update(state["rank_extra"][f"rank{_rank()}"])
     elif _rank() == 0:
         warnings.warn(f"{path} was saved on {saved['world_size']} ranks and is loaded on "
-                      f"{_world_size()}: the torch RNG state is not restored", stacklevel=2)
+                      f"{_world_size()}: the RNG state{' and rank_extra are' if rank_extra is not None else ' is'} "
+                      f"not restored", stacklevel=2)
     return int(saved["step"])
 
 
-def _check_complete(path: Path) -> None:
+def _agree(path: Path, error: str | None) -> None:
+    """Every rank raises the same CheckpointMismatch if any rank found one, or if the ranks
+    are not loading the same folder (one all-gather; a no-op without a process group)."""
+    if not dist.is_initialized() or _world_size() == 1:
+        if error:
+            raise CheckpointMismatch(error)
+        return
+    verdicts: list = [None] * _world_size()
+    dist.all_gather_object(verdicts, (str(path.resolve()), error))
+    errors = [(rank, e) for rank, (_, e) in enumerate(verdicts) if e]
+    if errors:
+        rank, first = errors[0]
+        alike = len(errors) == len(verdicts) and all(e == first for _, e in errors)
+        raise CheckpointMismatch(first if alike else f"on rank {rank}: {first}")
+    folders = sorted({folder for folder, _ in verdicts})
+    if len(folders) > 1:
+        raise CheckpointMismatch(f"the ranks are loading different checkpoints ({', '.join(folders)}): "
+                                 f"pick the step once (e.g. latest_step on rank 0, broadcast)")
+
+
+def check_complete(path: str | Path) -> None:
+    """Raise CheckpointMismatch unless ``path`` holds a complete checkpoint."""
+    path = Path(path)
     if is_complete(path):
         return
     if not path.exists():
@@ -185,6 +239,10 @@ def _tensor_entries(prefix: str, tree: Any, out: dict[str, tuple]) -> None:
     if isinstance(tree, dict):
         for key, value in tree.items():
             _tensor_entries(f"{prefix}.{key}" if prefix else str(key), value, out)
+    elif isinstance(tree, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple))
+                                                 for v in tree):
+        for index, value in enumerate(tree):
+            _tensor_entries(f"{prefix}.{index}" if prefix else str(index), value, out)
     elif isinstance(tree, torch.Tensor):
         out[prefix] = tuple(tree.shape)
 
@@ -208,6 +266,9 @@ def check_fits(path: str | Path, state: dict[str, Any], saved: dict[str, Any]) -
     check_entries_fit(path, state, [("model", "model", ""),
                                     ("optim.state", "optimizer state", OTHER_SETTINGS),
                                     ("extra", "extra", "")])
+    # rank_extra: this rank's own keys, checked when they will be loaded (same world size)
+    if "rank_extra" in state and saved["world_size"] == _world_size():
+        check_entries_fit(path, state, [(f"rank_extra.rank{_rank()}", "rank_extra", "")])
 
 
 OTHER_SETTINGS = " (other optimizer settings?)"

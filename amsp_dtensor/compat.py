@@ -142,32 +142,34 @@ def cuda_sleep(cycles: int) -> None:
 
 def init_process_group(backend: str | None = None, **kwargs) -> None:
     """``torch.distributed.init_process_group(backend)`` for a job torchrun launched (env://),
-    with each restart attempt in its own key space of torchrun's store.
+    with each restart attempt of a one-node job in its own key space of torchrun's store.
 
     Workaround for torchrun on torch 2.13 sharing its rendezvous TCPStore with the workers
-    (pytorch/pytorch#135712): under ``--max-restarts`` a restarted worker can read the
-    previous attempt's addresses from that store and fail in ``init_process_group`` with
-    "Gloo connectFullMesh failed ... Connection refused" (NCCL: "Failed to connect"). It did
-    here in the second of two restarts. Launchers that do not share the store
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or no torchrun) get the plain call.
+    (the default; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` turns it off): under
+    ``--max-restarts`` a restarted worker can read the previous attempt's addresses from that
+    store and fail in ``init_process_group`` with "Gloo connectFullMesh failed ... Connection
+    refused" (NCCL: "Failed to connect"), or hang there. It did here in the second of two
+    restarts. The key space is named by TORCHELASTIC_RESTART_COUNT, which each node's agent
+    counts for itself: on several nodes the counts can differ after a restart, so there the
+    plain call is made (launch torchrun with the variable above instead).
     """
     import os
-    from datetime import timedelta
 
     from torch.distributed import distributed_c10d  # the definition, never the patched name
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    one_node = os.environ.get("GROUP_WORLD_SIZE") == "1"
     if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None
-            or kwargs.get("store") is not None or kwargs.get("init_method") not in (None, "env://")):
+            or not one_node or kwargs.get("store") is not None
+            or kwargs.get("init_method") not in (None, "env://")):
         distributed_c10d.init_process_group(backend, **kwargs)
         return
     kwargs.pop("init_method", None)
-    timeout = kwargs.pop("timeout", None) or timedelta(minutes=10)
     world_size = int(os.environ["WORLD_SIZE"])
     store = torch.distributed.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world_size,
-        is_master=False, timeout=timeout)
-    kwargs.update(rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+        is_master=False, **({"timeout": kwargs["timeout"]} if kwargs.get("timeout") else {}))
+    kwargs.update(rank=int(os.environ["RANK"]), world_size=world_size)
     distributed_c10d.init_process_group(
         backend, store=torch.distributed.PrefixStore(f"amsp/attempt_{attempt}", store), **kwargs)
 

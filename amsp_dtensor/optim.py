@@ -137,6 +137,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._fqns.extend(unit.param_fqns)
         # Plain Parameters sharing storage with the master DTensors' local shards.
         self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
+        self.optimizer_class = optimizer_class  # what the user asked for (checkpoints name it)
         if optimizer_class in SHARDED_OPTIMIZERS:
             self.inner = SHARDED_OPTIMIZERS[optimizer_class](
                 self._opt_params, global_shapes=[m.shape for m in self._masters],

@@ -127,6 +127,22 @@ def quiet_other_ranks() -> None:
         logger.setLevel(logging.ERROR)
 
 
+def warn_multi_node_restarts() -> None:
+    """One warning when torchrun may restart a job of several nodes and shares its
+    rendezvous store with the ranks: compat.init_process_group keeps restart attempts apart
+    on one node only (each node's agent counts its own restarts), so there restarted ranks
+    can meet the previous attempt's entries and hang in init_process_group."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if (restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("GROUP_WORLD_SIZE", "1") != "1" and _rank() == 0):
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            f"torchrun --max-restarts {restarts} on several nodes shares its rendezvous store "
+            "with the ranks, and restarted ranks can hang in init_process_group (torch 2.13): "
+            "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+
+
 def check_amsp(job_config):
     """Validate [amsp] and the model for this world (WORLD_SIZE / LOCAL_WORLD_SIZE);
     None if not an AMSP model."""
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     init_logger()
     quiet_other_ranks()
+    warn_multi_node_restarts()
     try:
         job_config = parse_job_config(argv)
         plan = check_amsp(job_config)

@@ -31,6 +31,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
                                 reason="multi-process")
 
 RESUME_PLANS = [(1, 1, 2), (2, 2, 4), (1, 4, 4)]  # 4 ranks, 2 per node
+# (plan, variant): "-overlap" saves with overlap_param_update=True (an update pending) and
+# loads into an optimizer that has stepped once already
+RESUME_CASES = [(plan, "") for plan in RESUME_PLANS] + [((2, 2, 4), "-overlap")]
+ADAFACTOR_SOURCE, ADAFACTOR_TARGET = (4, (2, 2, 4)), (8, (4, 4, 8))
 # (source world, source plan) -> (target world, target plan)
 RESHARDS = [
     ((4, (1, 1, 2)), (4, (2, 4, 4))),
@@ -95,23 +99,41 @@ def _world4(rank, world, tmp):
     from amsp_dtensor import checkpoint
 
     out = {"resume": {}, "reshard": {}}
-    for plan in RESUME_PLANS:
-        model, optim = _build(world, plan)
+    for plan, variant in RESUME_CASES:
+        overlap = {"overlap_param_update": True} if variant else {}
+        model, optim = _build(world, plan, **overlap)
         whole = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
         whole_state = _full_state(model, optim)
-        model, optim = _build(world, plan)
+        model, optim = _build(world, plan, **overlap)
         first = _train(model, optim, rank, world, range(1, 4))
+        pending = optim.param_update_pending  # overlap: step 3's all-gather not landed yet
+        torch.rand(5)  # randomness used in training: the RNG state moves on
+        path = _saved_at(tmp, world, plan) + variant
+        checkpoint.save(path, 3, model, optim)
         saved_state = _full_state(model, optim)
-        checkpoint.save(_saved_at(tmp, world, plan), 3, model, optim)
+        drawn_after_save = torch.rand(3)
         del model, optim
-        model, optim = _build(world, plan)
-        step = checkpoint.load(checkpoint.step_path(_saved_at(tmp, world, plan), 3), model, optim)
+        model, optim = _build(world, plan, **overlap)
+        if variant:  # an optimizer that has stepped already (its state is replaced)
+            _train(model, optim, rank, world, [5])
+        step = checkpoint.load(checkpoint.step_path(path, 3), model, optim)
+        drawn_after_load = torch.rand(3)
         rest = _train(model, optim, rank, world, range(step + 1, JOB_STEPS + 1))
         resumed_state = _full_state(model, optim)
         if rank == 0:
-            out["resume"][plan] = {"whole": whole, "resumed": first + rest, "step": step,
-                                   "whole_state": whole_state, "resumed_state": resumed_state}
-            torch.save(saved_state, os.path.join(tmp, _name(world, plan) + ".state.pt"))
+            out["resume"][(plan, variant)] = {
+                "whole": whole, "resumed": first + rest, "step": step, "pending": pending,
+                "rng_restored": torch.equal(drawn_after_save, drawn_after_load),
+                "whole_state": whole_state, "resumed_state": resumed_state}
+            if not variant:
+                torch.save(saved_state, os.path.join(tmp, _name(world, plan) + ".state.pt"))
+    # Adafactor: factored moments (a row factor sharded with the rows, a whole column factor)
+    model, optim = _build(world, ADAFACTOR_SOURCE[1], optimizer=torch.optim.Adafactor)
+    _train(model, optim, rank, world, range(1, 4))
+    checkpoint.save(_saved_at(tmp, *ADAFACTOR_SOURCE) + "-adafactor", 3, model, optim)
+    adafactor_state = _full_state(model, optim)
+    if rank == 0:
+        torch.save(adafactor_state, os.path.join(tmp, _name(*ADAFACTOR_SOURCE) + "-adafactor.state.pt"))
     out["reshard"] = _load_reshards(rank, world, tmp)
     return out if rank == 0 else None
 
@@ -140,8 +162,14 @@ def _load_reshards(rank, world, tmp):
 
 
 def _world8(rank, world, tmp):
+    from amsp_dtensor import checkpoint
+
     loaded = _load_reshards(rank, world, tmp)
-    return loaded if rank == 0 else None
+    model, optim = _build(world, ADAFACTOR_TARGET[1], optimizer=torch.optim.Adafactor)
+    checkpoint.load(checkpoint.step_path(_saved_at(tmp, *ADAFACTOR_SOURCE) + "-adafactor", 3),
+                    model, optim)
+    adafactor = _full_state(model, optim)
+    return {"reshard": loaded, "adafactor": adafactor} if rank == 0 else None
 
 
 # ---- mismatches (2 ranks) ---------------------------------------------------------------
@@ -170,6 +198,19 @@ def _world2(rank, world, tmp):
     model, optim = _build(world, JOB_PLAN)
     losses = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
     out["job_reference"] = {"losses": losses, "weights": _full_state(model, optim)["weights"]}
+    # extra (alike on every rank, with a list) and rank_extra (each rank's own)
+    extra = {"samples_seen": torch.tensor([96]), "buffers": [torch.ones(2), torch.zeros(3)],
+             "epoch": 1}
+    rank_extra = {"position": torch.tensor([10 * rank + 7]), "name": f"shard{rank}"}
+    checkpoint.save(os.path.join(tmp, "extras"), 6, model, optim, extra=extra,
+                    rank_extra=rank_extra)
+    got_extra = {"samples_seen": torch.tensor([0]), "buffers": [torch.empty(2), torch.empty(3)],
+                 "epoch": 0}
+    got_rank_extra = {"position": torch.tensor([0]), "name": ""}
+    model2, optim2 = _build(world, JOB_PLAN)
+    checkpoint.load(checkpoint.step_path(os.path.join(tmp, "extras"), 6), model2, optim2,
+                    extra=got_extra, rank_extra=got_rank_extra)
+    out["extras"] = {"extra": got_extra, "rank_extra": got_rank_extra}
     # checkpoints that do not fit
     checkpoint.save(os.path.join(tmp, "model_only"), 3, model)
     checkpoint.save(os.path.join(tmp, "interrupted"), 4, model, optim)
@@ -208,14 +249,27 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("plan", RESUME_PLANS, ids=[_name(4, p) for p in RESUME_PLANS])
-def test_resume_continues_the_run(results, plan):
-    r = results["w4"]["resume"][plan]
+@pytest.mark.parametrize("case", RESUME_CASES, ids=[_name(4, p) + v for p, v in RESUME_CASES])
+def test_resume_continues_the_run(results, case):
+    r = results["w4"]["resume"][case]
     assert r["step"] == 3
+    assert r["pending"] is bool(case[1])  # with overlap, saved while an update was pending
+    assert r["rng_restored"]
     assert r["whole"] == pytest.approx(r["resumed"], abs=1e-6)
     assert r["whole"][3] != r["whole"][2]  # the steps after the resume trained
     assert _max_diff(r["whole_state"]["weights"], r["resumed_state"]["weights"]) <= 1e-6
     assert _max_diff(r["whole_state"]["optim"], r["resumed_state"]["optim"]) <= 1e-6
+
+
+def test_adafactor_factored_states_reshard_exactly(results):
+    saved = torch.load(os.path.join(results["tmp"], _name(*ADAFACTOR_SOURCE) + "-adafactor.state.pt"))
+    loaded = results["w8"]["adafactor"]
+    assert any(k.endswith("row_var") for k in saved["optim"])
+    assert any(k.endswith("col_var") for k in saved["optim"])
+    for kind in ("weights", "optim"):
+        assert saved[kind].keys() == loaded[kind].keys()
+        for key in saved[kind]:
+            assert torch.equal(saved[kind][key], loaded[kind][key]), (kind, key)
 
 
 # ---- reshard -----------------------------------------------------------------------------
@@ -223,7 +277,7 @@ def test_resume_continues_the_run(results, plan):
 def test_reshard_round_trip_is_exact(results, pair):
     (src_world, src_plan), (dst_world, dst_plan) = pair
     loaded = {2: results["w2"][0]["reshard"], 4: results["w4"]["reshard"],
-              8: results["w8"]}[dst_world]
+              8: results["w8"]["reshard"]}[dst_world]
     step, state, loss = loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))]
     # every source was saved at step 3 from the 4-rank run (8-rank ones re-saved unchanged)
     origin = {(8, (1, 8, 8)): (4, (2, 2, 4)), (8, (4, 4, 8)): (4, (1, 4, 4))}.get(
@@ -238,18 +292,30 @@ def test_reshard_round_trip_is_exact(results, pair):
     assert torch.isfinite(torch.tensor(loss))
 
 
+def test_extra_and_rank_extra_come_back(results):
+    for rank, rank_results in enumerate(results["w2"]):
+        got = rank_results["extras"]
+        assert torch.equal(got["extra"]["samples_seen"], torch.tensor([96]))
+        assert torch.equal(got["extra"]["buffers"][0], torch.ones(2))
+        assert torch.equal(got["extra"]["buffers"][1], torch.zeros(3))
+        assert got["extra"]["epoch"] == 1
+        assert torch.equal(got["rank_extra"]["position"], torch.tensor([10 * rank + 7]))
+        assert got["rank_extra"]["name"] == f"shard{rank}"
+
+
 # ---- faults under torchrun ----------------------------------------------------------------
 def _torchrun(tmp, name, max_restarts, faults, save_every):
     ckpt, out = os.path.join(tmp, name, "ckpt"), os.path.join(tmp, name, "out")
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = ["timeout", "400", sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", "2",
            "--max-restarts", str(max_restarts), "-m", "amsp_dtensor.testing.checkpoint_job",
            "--dir", ckpt, "--out", out, "--plan", ",".join(map(str, JOB_PLAN)),
            "--steps", str(JOB_STEPS), "--save-every", str(save_every), "--faults", faults]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # the shared store, as by default
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]

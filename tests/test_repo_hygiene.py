@@ -18,6 +18,7 @@ _PIECES = [
     r"DESIGN" + r"\.md",
     r"shared" + r"/amsp",
     r"[Ii]ssue" + r" [0-9]+",
+    r"(?<!&)#" + r"[0-9]{2,}\b",  # an issue or pull request by number (not an HTML entity)
     r"(?i:must)" + r"[- ]show",
     r"team" + r" brief",
 ]
@@ -59,9 +60,10 @@ def _matches() -> list[str]:
 def test_pattern_catches_what_it_should():
     for bad in ("see " + "PAPER" + ".md", "DESIGN" + ".md, schedule", "/work/shared" + "/amsp",
                 "fixed in issue" + " 3", "Issue" + " 12", "must" + "-show 2", "a must" + " show",
-                "Must" + "-show 1", "the team" + " brief"):
+                "Must" + "-show 1", "the team" + " brief", "pytorch/pytorch#" + "135712", "see #" + "42"):
         assert PATTERN.search(bad), bad
-    for fine in ("docs/design.md", "the issue of padding", "issued async", "paper.md"):
+    for fine in ("docs/design.md", "the issue of padding", "issued async", "paper.md",
+                 "color #ffffff", "&#123;", "step #1"):
         assert not PATTERN.search(fine), fine
 
 

@@ -126,9 +126,17 @@ def test_dataloader_resume_on_another_world_continues_from_the_global_count(
 def test_dataloader_refuses_another_world_without_the_global_count(job_config, tokenizer):
     saved = _saved_checkpoint(job_config, tokenizer, world=4, batches=1)
     del saved["amsp_global_sequences"]  # as torchtitan's own loader saves it
+    from amsp_dtensor.checkpoint import CheckpointMismatch
+
     loader = _loader(job_config, tokenizer, world=2, rank=0)
-    with pytest.raises(ValueError, match="exclude_from_loading dataloader"):
-        loader.load_state_dict(_offered(loader, saved))
+    # refused when told the checkpoint's keys (before DCP's load), in one line
+    with pytest.raises(CheckpointMismatch, match="exclude_from_loading dataloader") as e:
+        loader.expect_checkpoint(set(saved))
+    assert "\n" not in str(e.value)
+    # and by load_state_dict, for a caller that never said which keys there are
+    loader.expect_checkpoint(None)
+    with pytest.raises(CheckpointMismatch, match="exclude_from_loading dataloader"):
+        loader.load_state_dict({k: saved[k] for k in loader.state_dict() if k in saved})
 
 
 # --------------------------------------------------------------------------------------
@@ -316,9 +324,9 @@ def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
 
 def test_rng_state_comes_back_and_a_rank_the_checkpoint_lacks_keeps_its_own(tmp_path, monkeypatch):
     """AmspTrainer's ``amsp_rng`` state through the same load wrapper torchtitan's load goes
-    through: the draws after a resume are the uninterrupted run's; a rank the saving run
-    did not have asks DCP for nothing (the load would fail on a missing key) and keeps its
-    seeded stream."""
+    through: the draws after a resume are the uninterrupted run's; on another world size
+    no rank asks DCP for its key (a rank the saving run did not have would fail the load)
+    and each keeps its seeded stream."""
     import torch.distributed.checkpoint as dcp
 
     from amsp_dtensor.titan import rng as rng_module
@@ -338,10 +346,29 @@ def test_rng_state_comes_back_and_a_rank_the_checkpoint_lacks_keeps_its_own(tmp_
          checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
     assert torch.equal(torch.rand(4), uninterrupted)
 
-    monkeypatch.setattr(rng_module, "_rank", lambda: 5)
+    monkeypatch.setattr(rng_module, "_rank", lambda: 5)  # rank 5 of 8, a 1-rank checkpoint
+    monkeypatch.setattr(rng_module, "_world_size", lambda: 8)
     torch.manual_seed(42)
     seeded = torch.rand(4)
     torch.manual_seed(42)
     load({"w0": torch.zeros(2), "amsp_rng": rng_module.RngState()},
          checkpoint_id=str(tmp_path / "step-2"), from_hf=False, from_quantized=False)
     assert torch.equal(torch.rand(4), seeded)
+
+
+def test_multi_node_restartable_torchrun_with_a_shared_store_gets_one_warning(monkeypatch, caplog):
+    """On one node compat.init_process_group keeps restart attempts apart; on several nodes
+    it cannot (each agent counts its own restarts), so rank 0 says what to set."""
+    import amsp_dtensor.titan  # noqa: F401  (the CPU shims, before torchtitan's logger)
+    from amsp_dtensor import train
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("RANK", "0")
+    for restarts, nodes, expected in (("0", "2", 0), ("3", "1", 0), ("3", "2", 1)):
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+        monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            train.warn_multi_node_restarts()
+        found = [r for r in caplog.records if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage()]
+        assert len(found) == expected, (restarts, nodes, caplog.records)

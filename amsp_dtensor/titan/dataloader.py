@@ -34,6 +34,8 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset, build_text_dataloader
 from torchtitan.tools.logging import logger
 
+from ..checkpoint import CheckpointMismatch
+
 GLOBAL_SEQUENCES = "amsp_global_sequences"
 WORLD_SIZE = "world_size"  # torchtitan's key for the saving run's dp world size
 KEY_PREFIX = "dataloader."  # torchtitan's CheckpointManager key for the data loader
@@ -72,7 +74,14 @@ class ReshardableDataloader(ParallelAwareDataloader):
         """Before a load: the data loader keys the checkpoint holds (without the
         ``dataloader.`` prefix), so that ``state_dict()`` asks DCP for those only. A rank
         the saving run did not have finds no ``dp_rank_<r>`` there, and DCP fails a load
-        that asks for a missing key. None: offer every key again (after the load)."""
+        that asks for a missing key. None: offer every key again (after the load).
+
+        A checkpoint saved on another dp world without the global count is refused here,
+        on every rank alike and before DCP's collective load starts."""
+        if keys is not None:
+            saved_world = sum(1 for k in keys if k.startswith("dp_rank_"))
+            if saved_world and saved_world != self.dp_world_size and GLOBAL_SEQUENCES not in keys:
+                raise CheckpointMismatch(self._no_global_count(saved_world))
         self._checkpoint_keys = keys
 
     def state_dict(self) -> dict[str, Any]:
@@ -97,17 +106,18 @@ class ReshardableDataloader(ParallelAwareDataloader):
         self._sequences_at_load = sequences
         self._batches_since_load = 0
 
+    def _no_global_count(self, saved_world: int) -> str:
+        return (f"dataloader: the checkpoint was saved on {saved_world} data-parallel ranks "
+                f"without '{GLOBAL_SEQUENCES}' (saved by torchtitan's own data loader, i.e. "
+                f"not an <name>_amsp model), so where each of the {self.dp_world_size} ranks "
+                f"now stands in the data cannot be derived; resume on {saved_world} "
+                f"data-parallel ranks, or pass --checkpoint.exclude_from_loading dataloader to "
+                f"start the data again from its beginning")
+
     def _skip_to_share_of(self, sequences: int | None, saved_world: int) -> None:
         world, rank = self.dp_world_size, self.dp_rank
         if sequences is None:
-            raise ValueError(
-                f"dataloader: the checkpoint was saved on {saved_world} data-parallel ranks "
-                f"without '{GLOBAL_SEQUENCES}' (saved by torchtitan's own data loader, i.e. "
-                f"not an <name>_amsp model), so where each of the {world} ranks now stands in "
-                f"the data cannot be derived; resume on {saved_world} data-parallel ranks, or "
-                f"pass --checkpoint.exclude_from_loading dataloader to start the data again "
-                f"from its beginning"
-            )
+            raise CheckpointMismatch(self._no_global_count(saved_world))
         share, extra = divmod(sequences, world)
         mine = share + (1 if rank < extra else 0)
         batches, rest = divmod(mine, self.batch_size)

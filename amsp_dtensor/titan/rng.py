@@ -6,17 +6,19 @@ resume the generators restart from the seed. AmspTrainer adds this Stateful to t
 checkpointer's states under ``amsp_rng``; each rank saves its own key (``rank<r>``), since
 one key all ranks share would be saved once.
 
-[Note: a rank the checkpoint does not know] Resumed on a larger world, rank 5 of 8 finds no
-``rank5`` in a 4-rank checkpoint, and asking DCP for a key the checkpoint lacks fails the
-load. Before the load, ``expect_checkpoint`` is told which keys the checkpoint holds, and
-a rank whose key is missing offers nothing and keeps its seeded state; on another world
-size the ranks' streams cannot continue one for one anyway.
+[Note: RNG state comes back on the same world size only] On another world size the ranks'
+streams cannot continue one for one, and restoring some ranks (those the checkpoint
+knows) but not others would mix restored and seeded streams. Before the load,
+``expect_checkpoint`` is told the checkpoint's keys; unless they are exactly this world's
+ranks, every rank offers nothing (asking DCP for a key the checkpoint lacks would fail the
+load) and keeps its seeded state. Every rank reads the same metadata, so all decide alike.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
+
+from ..checkpoint import rng_state, set_rng_state
 
 STATE_KEY = "amsp_rng"
 
@@ -25,36 +27,31 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 class RngState:
     """torch's CPU generator and, when there is one, the current CUDA device's."""
 
     def __init__(self) -> None:
-        self._available: set[str] | None = None  # keys the checkpoint being loaded holds
+        self._restore: bool | None = None  # None: saving; else whether this load restores
 
     def expect_checkpoint(self, stored_keys: set[str] | None) -> None:
         """The checkpoint's keys (full DCP keys) for the next load; None when done."""
         if stored_keys is None:
-            self._available = None
+            self._restore = None
             return
         prefix = STATE_KEY + "."
-        self._available = {k[len(prefix):].split(".")[0] for k in stored_keys if k.startswith(prefix)}
-
-    def _key(self) -> str:
-        return f"rank{_rank()}"
+        ranks = {k[len(prefix):].split(".")[0] for k in stored_keys if k.startswith(prefix)}
+        self._restore = ranks == {f"rank{r}" for r in range(_world_size())}
 
     def state_dict(self) -> dict:
-        key = self._key()
-        if self._available is not None and key not in self._available:
+        if self._restore is False:
             return {}
-        state = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return {key: state}
+        return {f"rank{_rank()}": rng_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state = state_dict.get(self._key())
-        if not state:
-            return
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+        state = state_dict.get(f"rank{_rank()}")
+        if state:
+            set_rng_state(state)

@@ -26,7 +26,7 @@ import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
 from .. import compat
-from ..checkpoint import OTHER_SETTINGS, check_entries_fit
+from ..checkpoint import OTHER_SETTINGS, check_complete, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
 from .rng import STATE_KEY as RNG_KEY
 from .rng import RngState
@@ -89,12 +89,16 @@ def _refuse_misfits(dcp_load):
         from_hf = kwargs.get("from_hf", args[0] if args else False)
         if from_hf:
             return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+        check_complete(checkpoint_id)
         wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
         if "optimizer" in state_dict:
             wanted["optimizer"] = state_dict["optimizer"].state_dict()
+        # every non-tensor state (torchtitan's and any other) is its own section, not model
+        others = tuple(_TITAN_SECTIONS) + tuple(
+            k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
         check_entries_fit(checkpoint_id, wanted,
                           [("", "model", ""), ("optimizer", "optimizer state", OTHER_SETTINGS)],
-                          others=_TITAN_SECTIONS)
+                          others=others)
         rng = state_dict.get(RNG_KEY)
         if rng is None:
             return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
