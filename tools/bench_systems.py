@@ -13,7 +13,8 @@ AVX2-only CPU), and its best settings for gradient accumulation over M micro-bat
           all-reduce runs once per step)
   hpz     FSDP2 fully_shard on the world mesh, reshard_after_forward = ranks per node
           (ZeRO++ hpZ: backward all-gathers inside the node)
-  amsp    amsp_dtensor.fully_shard + AMSPOptimizer with a ShardingPlan, amsp.no_sync
+  amsp    amsp_dtensor.fully_shard + AMSPOptimizer with a ShardingPlan, amsp.no_sync;
+          torchtitan's units by default (tok_embeddings, each block, [norm, output], root)
 FSDP-based systems get explicit forward and backward prefetch of the next block (on CPU
 there are no streams, so FSDP2's implicit prefetch does not overlap anything) and force-sum
 reductions (gloo rejects PREMUL_SUM/AVG).
@@ -193,28 +194,80 @@ def set_prefetch(model, blocks) -> None:
 
 
 class AMSPSystem(System):
-    def __init__(self, model, lr, plan, mesh):
+    """``layout``: "titan" = torchtitan's units (tok_embeddings, each block, [norm, output]
+    as one unit with reshard_after_forward=False, then the root); "blocks" = each block,
+    then the root holding the embeddings, norm and output. ``overlap``: keyword arguments
+    for ``amsp.set_overlap`` (grad_sync / prefetch / step); ``overlap_param_update``: the
+    optimizer's post-step all-gather overlaps the next forward."""
+
+    def __init__(self, model, lr, plan, mesh, layout: str = "titan",
+                 overlap: dict | None = None, overlap_param_update: bool = True):
         import amsp_dtensor as amsp
 
         self.amsp = amsp
         self.plan = plan
         self.name = f"amsp:{plan.name}"
-        blocks = blocks_of(model)
-        for block in blocks:
-            amsp.fully_shard(block, mesh=mesh, plan=plan.as_plan())
-        amsp.fully_shard(model, mesh=mesh, plan=plan.as_plan())
-        if os.environ.get("AMSP_BENCH_PREFETCH", "1") != "0":  # diagnostic switch
-            set_prefetch(model, blocks)
+        self.layout = layout
+        units = amsp_units(model, layout)
+        splan = plan.as_plan()
+        for unit in units:
+            if isinstance(unit, list):
+                try:
+                    amsp.fully_shard(unit, mesh=mesh, plan=splan, reshard_after_forward=False)
+                except (TypeError, AttributeError) as e:
+                    raise RuntimeError(
+                        "amsp.fully_shard does not accept a list of modules in this checkout "
+                        f"({type(e).__name__}: {e}); use the 'blocks' layout "
+                        "(AMSPSystem(layout='blocks'), --layout blocks)") from e
+            else:
+                amsp.fully_shard(unit, mesh=mesh, plan=splan)
+        amsp.fully_shard(model, mesh=mesh, plan=splan)
+        engine_switches = hasattr(amsp, "set_overlap")
+        if overlap and not engine_switches:
+            raise RuntimeError(f"overlap switches {overlap} need amsp.set_overlap, which this "
+                               "checkout of amsp_dtensor does not have yet")
+        if engine_switches:
+            # the engine sets up the explicit forward/backward prefetch itself (prefetch=)
+            kwargs = dict(overlap or {})
+            if os.environ.get("AMSP_BENCH_PREFETCH", "1") == "0":  # diagnostic switch
+                kwargs["prefetch"] = False
+            self.overlap = amsp.set_overlap(model, **kwargs)
+        else:
+            self.overlap = None
+            if os.environ.get("AMSP_BENCH_PREFETCH", "1") != "0":  # diagnostic switch
+                set_prefetch(model, [u[0] if isinstance(u, list) else u for u in units])
         self.model = model
         # the post-step all-gather overlaps the next forward, as in the paper's engine
         self.optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=lr, weight_decay=0.1,
-                                        foreach=True, overlap_param_update=True)
+                                        foreach=True, overlap_param_update=overlap_param_update)
 
     def no_sync(self, last: bool):
         return contextlib.nullcontext() if last else self.amsp.no_sync(self.model)
 
     def state_bytes(self) -> dict[str, int]:
         return dict(self.amsp.memory_by_state(self.model, self.optim))
+
+
+def amsp_units(model: nn.Module, layout: str) -> list:
+    """The modules (or lists of modules) sharded before the root, in wrap order."""
+    if layout == "blocks":
+        return blocks_of(model)
+    if layout == "titan":
+        return [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]
+    raise ValueError(f"unknown AMSP unit layout {layout!r}; use 'titan' or 'blocks'")
+
+
+def amsp_unit_shapes(model: nn.Module, layout: str) -> tuple[list[list[tuple]], int]:
+    """(unit param shapes, root unit index) for amsp_dtensor.cost.comm.predicted_events.
+    titan: [norm, output] keeps its params after forward (no backward all-gather), which
+    the cost model describes as the root unit; the real root then owns no params."""
+    from amsp_dtensor.cost.check import unit_param_shapes_of
+
+    if layout == "blocks":
+        return unit_param_shapes_of(model, blocks_of(model))
+    units = [[tuple(p.shape) for m in (u if isinstance(u, list) else [u])
+              for p in m.parameters()] for u in amsp_units(model, layout)]
+    return units, len(units) - 1
 
 
 class MeshCache:
@@ -250,7 +303,8 @@ class MeshCache:
         return self._meshes[key]
 
 
-def make_system(key: str, model: nn.Module, lr: float, meshes: MeshCache, plan=None) -> System:
+def make_system(key: str, model: nn.Module, lr: float, meshes: MeshCache, plan=None,
+                amsp_layout: str = "titan") -> System:
     if key == "ddp":
         return DDPSystem(model, lr)
     if key == "zero1":
@@ -262,5 +316,5 @@ def make_system(key: str, model: nn.Module, lr: float, meshes: MeshCache, plan=N
     if key == "hpz":
         return FSDPSystem(key, model, lr, meshes.world_mesh(), reshard_after_forward=meshes.rpn)
     if key.startswith("amsp"):
-        return AMSPSystem(model, lr, plan, meshes.amsp_mesh(plan))
+        return AMSPSystem(model, lr, plan, meshes.amsp_mesh(plan), layout=amsp_layout)
     raise ValueError(f"unknown system {key!r}; use one of {list(SYSTEM_LABELS)} or amsp:<plan>")

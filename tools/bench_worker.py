@@ -42,10 +42,13 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                          "HSDP's memory for the same model and batch")
     ap.add_argument("--intra-bw", type=float, default=1.0e9,
                     help="bytes/s inside a node, for the planner (probe: ~1.1e9 loopback)")
+    ap.add_argument("--amsp-layout", default="titan", choices=("titan", "blocks"),
+                    help="AMSP units: torchtitan's (tok_embeddings, blocks, [norm, output], "
+                         "root) or each block + root")
 
 
 WORKLOAD_DESTS = ("flavor", "seq", "micro_batch", "micro_batches", "warmup", "steps", "reps",
-                  "systems", "plans", "mem_budget_gib", "intra_bw")
+                  "systems", "plans", "mem_budget_gib", "intra_bw", "amsp_layout")
 
 
 def workload_argv(args: argparse.Namespace) -> list[str]:
@@ -114,7 +117,10 @@ def predicted_bytes(system_key, plan, model, blocks, args, world, rpn):
     from amsp_dtensor.cost.comm import bytes_by_locality, event_counter, predicted_events
     from amsp_dtensor.plan import ShardingPlan
 
-    units, root = unit_param_shapes_of(model, blocks)
+    if system_key.startswith("amsp"):
+        units, root = S.amsp_unit_shapes(model, getattr(args, "amsp_layout", "blocks"))
+    else:
+        units, root = unit_param_shapes_of(model, blocks)
     rs = True
     if system_key.startswith("amsp"):
         rp = plan
@@ -145,7 +151,7 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
     mem = bench_memory.PeakMemory()
     model = S.build_model(model_args, args.seed)
     predicted = predicted_bytes(key, plan, model, S.blocks_of(model), args, world, rpn)
-    system = S.make_system(key, model, args.lr, meshes, plan)
+    system = S.make_system(key, model, args.lr, meshes, plan, amsp_layout=args.amsp_layout)
     mem.attach(S.blocks_of(system.model if not hasattr(system.model, "module")
                            else system.model.module))
     times, losses = [], []
