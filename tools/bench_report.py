@@ -295,7 +295,28 @@ per rank just before the optimizer step. Loss = global mean loss of step {K}.
 |---|---|---|---|---|---|
 {cand}
 """
-    Path(doc).write_text(text + NOTES)
+    Path(doc).write_text(keep_sections(text + NOTES, doc))
+
+
+# Sections of docs/benchmarks.md written by other tools (tools/bench_overlap.py), kept when
+# this report rewrites the file: (begin marker, end marker).
+KEPT_SECTIONS = (("<!-- overlap:begin -->", "<!-- overlap:end -->"),)
+
+
+def keep_sections(text: str, doc: str) -> str:
+    """`text` plus every KEPT_SECTIONS block found in the current `doc` (appended at the
+    end, in their order there, markers included)."""
+    path = Path(doc)
+    old = path.read_text() if path.exists() else ""
+    kept = []
+    for begin, end in KEPT_SECTIONS:
+        i = old.find(begin)
+        j = old.find(end, i + len(begin)) if i >= 0 else -1
+        if i >= 0 and j >= 0 and begin not in text:
+            kept.append((i, old[i:j + len(end)]))
+    if not kept:
+        return text
+    return text.rstrip("\n") + "\n\n" + "\n\n".join(b for _, b in sorted(kept)) + "\n"
 
 
 NOTES = """
