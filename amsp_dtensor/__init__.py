@@ -13,12 +13,14 @@ from .mesh import init_mesh
 from .observe import CommEvent, CommRecorder, record_comms, track_backward_memory
 from .observe.memory import memory_by_state
 from .optim import AMSPOptimizer
+from .overlap import Overlap, set_overlap
 from .plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
 from .shard import fully_shard
 
 __all__ = [
     "AMSPOptimizer",
     "NoPlanFits",
+    "Overlap",
     "auto_plan",
     "predicted_events",
     "BASELINES",
@@ -37,5 +39,6 @@ __all__ = [
     "no_sync",
     "record_comms",
     "set_gradient_divide_factor",
+    "set_overlap",
     "track_backward_memory",
 ]

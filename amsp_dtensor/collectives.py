@@ -9,6 +9,8 @@ the engine applies the gradient divide factor once, on the fp32 master grads.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -22,29 +24,63 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class PendingComm:
-    """An issued async collective; ``wait()`` completes it and records it."""
+    """An issued async collective; ``wait()`` completes it and records it (see the Note
+    on comm timing in observe/recorder.py)."""
 
-    __slots__ = ("work", "event_args", "timer", "result", "recorders")
+    __slots__ = ("work", "event_args", "timer", "result", "recorders", "done_at")
 
     def __init__(self, work, event_args: dict | None, result: torch.Tensor):
         self.work = work
         self.event_args = event_args
         self.timer = Timer()
         self.result = result
+        self.done_at: float | None = None
         # The event belongs to the recorders active at issue time, even if it completes
         # later (the post-step all-gather lands in the next forward).
         self.recorders = active_recorders()
+        if work is not None and event_args is not None and result.device.type == "cpu":
+            try:
+                work.get_future().then(self._mark_done)
+            except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce_scatter)
+                pass
+
+    def _mark_done(self, _future) -> None:
+        self.done_at = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
+        start = end = time.perf_counter()
         if self.work is not None:
             self.work.wait()
+            end = time.perf_counter()
             self.work = None
         if self.event_args is not None:
-            event = CommEvent(seconds=self.timer.elapsed(), **self.event_args)
+            # done before the wait began: completed at its stamp and nothing was exposed
+            # (the wait's own overhead is not communication); else when the wait returned
+            early = self.done_at is not None and self.done_at <= start
+            done, blocked = (self.done_at, 0.0) if early else (end, end - start)
+            event = CommEvent(seconds=done - self.timer.start, blocked_seconds=blocked,
+                              **self.event_args)
             for recorder in self.recorders:
                 recorder.add(event)
             self.event_args = None
         return self.result
+
+
+class _RecordedWork(dist.Work):
+    """FSDP2's async all-gather (explicit prefetch on CPU) as a Work whose ``wait()``
+    records the collective, with the time FSDP2 was blocked in it."""
+
+    def __init__(self, work, event_args: dict, result: torch.Tensor):
+        super().__init__()
+        self.pending = PendingComm(work, event_args, result)
+
+    def wait(self, timeout=None) -> bool:
+        self.pending.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        work = self.pending.work
+        return work is None or work.is_completed()
 
 
 class Collectives:
@@ -114,11 +150,8 @@ class RecordingAllGather(compat.fsdp_all_gather_base()):
         args = self.collectives._fsdp_event_args(
             "all_gather", group, _nbytes(output_tensor), _fsdp_phase()
         )
-        timer = Timer()
-        work = super().__call__(output_tensor, input_tensor, group, async_op)
-        if args is not None:
-            emit(CommEvent(seconds=0.0 if async_op else timer.elapsed(), **args))
-        return work
+        return _recorded(args, output_tensor, async_op, super().__call__,
+                         output_tensor, input_tensor, group, async_op)
 
 
 class RecordingReduceScatter(compat.fsdp_reduce_scatter_base()):
@@ -131,8 +164,19 @@ class RecordingReduceScatter(compat.fsdp_reduce_scatter_base()):
         args = self.collectives._fsdp_event_args(
             "reduce_scatter", group, _nbytes(input_tensor), "backward"
         )
-        timer = Timer()
-        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-        if args is not None:
-            emit(CommEvent(seconds=0.0 if async_op else timer.elapsed(), **args))
+        return _recorded(args, output_tensor, async_op, super().__call__,
+                         output_tensor, input_tensor, group, op, async_op)
+
+
+def _recorded(args, output, async_op, call, *call_args):
+    """Run one of FSDP2's collectives; a synchronous one is recorded as fully blocking,
+    an async one when FSDP2 waits for it."""
+    timer = Timer()
+    work = call(*call_args)
+    if args is None:
         return work
+    if async_op and work is not None:
+        return _RecordedWork(work, args, output)
+    elapsed = timer.elapsed()
+    emit(CommEvent(seconds=elapsed, blocked_seconds=elapsed, **args))
+    return work

@@ -36,6 +36,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     ("torchtitan.models.llama3.model.model", "Transformer._precompute_freqs_cis"),
     ("torch.cuda", "_sleep"),
+    ("torch.distributed.fsdp", "FSDPModule._set_unshard_async_op"),
 )
 
 
@@ -98,6 +99,13 @@ def fsdp_forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
     (``set_modules_to_forward_prefetch``)."""
     states = module._get_fsdp_state()._states_to_forward_prefetch
     return [s._modules[0] for s in states if s._modules]
+
+
+def fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
+    """Issue this unit's pre-forward / pre-backward / prefetch all-gathers with
+    ``async_op`` (FSDP2 keeps the setter private in torch 2.13). Without streams (CPU) an
+    async all-gather is the only way a prefetched one runs while the current unit computes."""
+    module._set_unshard_async_op(async_op)
 
 
 def fsdp_copy_in_stream(module: nn.Module):

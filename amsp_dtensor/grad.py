@@ -13,12 +13,21 @@ when s_p = 1). Then, in stages:
   in the OS layout, and the unit is SYNCED (lifecycle.py).
 
 [Note: issue order and completion]
-Collectives are async. A unit's stage is completed, and its next stage issued, when a later
-unit's grads arrive (its reduce-scatter ran while that unit's backward computed) or in the
-end-of-backward callback, which completes everything. The order of issue depends only on
-the order in which units fire, which autograd makes the same on every rank, so every rank
-issues the same sequence on every group. After ``backward()`` returns every grad is final,
-as with DDP and FSDP.
+Collectives are async. Each stage is issued as soon as its input is ready: a unit's first
+stage in its own hook; its next stage when the first completes, which is waited for in the
+next unit's hook (it ran while that unit's backward computed). At the end of backward the
+last units' first stages are completed first, so every remaining stage is issued before
+anything waits on a last stage. The last stage of each unit (the replica all-reduce;
+without replicas, the last unit's reduce-scatter over "g" or "os": earlier units' are
+completed in the hooks, which frees their P-sized inputs) is left in flight after
+``backward()`` returns:
+``step()`` waits for the units one by one and updates each as soon as its own gradients
+have landed (optim.py), and anything else that needs the gradients (``clip_grad_norm_``,
+``zero_grad``, the next backward, memory accounting) completes them all first
+(``finish_sync``). Completion always runs in issue order, and the order of issue depends
+only on the order in which units fire, which autograd makes the same on every rank, so
+every rank issues the same sequence on every group. With ``set_overlap(grad_sync=False)``
+each collective is waited for right after it is issued (the ablation's serial baseline).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor) -> None:
         backward.fsdp_grads_to_drop.append(unit)
     # Complete the first stages issued for earlier units: they overlapped with the
     # backward compute of this one.
-    _complete(state, stages=("g_reduce", "os_reduce"))
+    _complete(state, stages=FIRST_STAGES)
     unit.lifecycle.to(StepState.REDUCING if backward.sync else StepState.ACCUMULATING)
     k_g = state.info.size("g")
     if k_g > 1:
@@ -63,9 +72,11 @@ def on_unit_grads(unit: AMSPUnit, flat_p: torch.Tensor) -> None:
         pending = state.collectives.reduce_scatter(
             g_shard, packed.view(-1), "g", phase="sync" if backward.sync else "backward"
         )
-        state.in_flight.append(InFlight(unit, "g_reduce", pending, packed))
+        state.in_flight.append(InFlight(unit, "g_reduce", pending, packed, backward.sync))
     else:
         _accumulate(unit, flat_p, backward.sync)
+    if not state.overlap.grad_sync:
+        _complete(state, stages=ALL_STAGES)  # serial: wait for each stage as it is issued
     for observer in state.unit_grad_observers:
         observer(unit, flat_p)
 
@@ -89,7 +100,7 @@ def _issue_sync(unit: AMSPUnit) -> None:
         packed = unit.p_layout.pack(grad, k_os)
         os_shard = grad.new_empty(unit.os_layout.numel)
         pending = state.collectives.reduce_scatter(os_shard, packed.view(-1), "os", phase="sync")
-        state.in_flight.append(InFlight(unit, "os_reduce", pending, packed))
+        state.in_flight.append(InFlight(unit, "os_reduce", pending, packed, True))
     else:
         _issue_replica_reduce(unit, grad)
 
@@ -98,7 +109,7 @@ def _issue_replica_reduce(unit: AMSPUnit, os_shard: torch.Tensor) -> None:
     state = unit.state
     if state.info.size("rep") > 1:
         pending = state.collectives.all_reduce(os_shard, "rep", phase="sync")
-        state.in_flight.append(InFlight(unit, "rep_reduce", pending, None))
+        state.in_flight.append(InFlight(unit, "rep_reduce", pending, None, True))
     else:
         _store_synced(unit, os_shard)
 
@@ -113,27 +124,72 @@ def _store_synced(unit: AMSPUnit, os_shard: torch.Tensor) -> None:
 
 
 _NEXT_STAGE = {
-    "g_reduce": lambda entry, result, sync: _accumulate(entry.unit, result, sync),
-    "os_reduce": lambda entry, result, sync: _issue_replica_reduce(entry.unit, result),
-    "rep_reduce": lambda entry, result, sync: _store_synced(entry.unit, result),
+    "g_reduce": lambda entry, result: _accumulate(entry.unit, result, entry.sync),
+    "os_reduce": lambda entry, result: _issue_replica_reduce(entry.unit, result),
+    "rep_reduce": lambda entry, result: _store_synced(entry.unit, result),
 }
+FIRST_STAGES = ("g_reduce", "os_reduce")  # stages whose completion issues another
+ALL_STAGES = ("g_reduce", "os_reduce", "rep_reduce")
 
 
 def _complete(state: AMSPState, stages: tuple[str, ...]) -> None:
     """Complete, in issue order, the in-flight entries of the given stages (and any they
     issue in turn), then run each unit's next stage."""
-    sync = state.backward.sync
     while True:
         index = next((i for i, e in enumerate(state.in_flight) if e.stage in stages), None)
         if index is None:
             return
-        entry = state.in_flight.pop(index)
-        result = entry.pending.wait()
-        _NEXT_STAGE[entry.stage](entry, result, sync)
+        _complete_entry(state, index)
+
+
+def _complete_entry(state: AMSPState, index: int) -> None:
+    entry = state.in_flight.pop(index)
+    result = entry.pending.wait()
+    _NEXT_STAGE[entry.stage](entry, result)
+
+
+def _issues_more(state: AMSPState, entry: InFlight) -> bool:
+    """Whether completing ``entry`` issues another collective (or, under no_sync, ends
+    this backward's work for the unit)."""
+    if entry.stage == "rep_reduce":
+        return False
+    if entry.stage == "g_reduce" and not entry.sync:
+        return True
+    return state.info.size("rep") > 1
+
+
+def finish_sync(state: AMSPState) -> None:
+    """Complete every gradient collective still in flight (in issue order): afterwards
+    every unit that took part in the last syncing backward is SYNCED."""
+    with streams.on_grad_stream(state.grad_stream):
+        _complete(state, stages=ALL_STAGES)
+    streams.join_compute(state.grad_stream, [])  # the step reads them on the compute stream
+
+
+def finish_unit_sync(state: AMSPState, unit: AMSPUnit) -> None:
+    """Complete the in-flight collectives issued up to and including ``unit``'s last one
+    (issue order is kept: earlier units' entries complete first)."""
+    with streams.on_grad_stream(state.grad_stream):
+        while any(e.unit is unit for e in state.in_flight):
+            _complete_entry(state, 0)
+    streams.join_compute(state.grad_stream, [])
+
+
+def sync_order(state: AMSPState) -> list[AMSPUnit]:
+    """The units in the order their gradients finish syncing: those already done, then
+    those with collectives in flight, by their first in-flight entry."""
+    waiting = list({id(e.unit): e.unit for e in state.in_flight}.values())
+    return [u for u in state.units if u not in waiting] + waiting
+
+
+def in_flight_units(state: AMSPState) -> set[int]:
+    return {id(e.unit) for e in state.in_flight}
 
 
 def _begin_backward(state: AMSPState) -> BackwardPass:
     if state.backward is None:
+        # the last stages of a previous backward (no step in between) land first
+        finish_sync(state)
         state.backward = BackwardPass(sync=state.requires_grad_sync)
         compat.queue_end_of_backward_callback(lambda: _end_of_backward(state))
     return state.backward
@@ -153,9 +209,17 @@ def _end_of_backward(state: AMSPState) -> None:
         for unit in state.units:
             if id(unit) not in backward.fired:
                 _flush_unfired(unit)
-        _complete(state, stages=("g_reduce", "os_reduce", "rep_reduce"))
+        # Issue every remaining stage before waiting for any last stage; the last stages
+        # stay in flight (see the note at the top).
+        while True:
+            index = next((i for i, e in enumerate(state.in_flight) if _issues_more(state, e)),
+                         None)
+            if index is None:
+                break
+            _complete_entry(state, index)
     _drop_fsdp_grads(backward)
     kept = [b for u in state.units for b in (u.grad_accum, u.grad_synced) if b is not None]
+    kept += [e.pending.result for e in state.in_flight]
     streams.join_compute(state.grad_stream, kept)
     if backward.sync:
         state.unsynced_micro_batches = 0

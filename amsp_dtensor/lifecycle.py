@@ -13,7 +13,8 @@ A unit's gradient and its update pass through these states in every training ste
 
 - ACCUMULATING holds the step's partial G sums (G layout); no cross-replica traffic yet.
 - REDUCING: the last backward has issued the sync stages (reduce-scatter over "g" and/or
-  "os", all-reduce over "rep"); they complete in later hooks or at the end of backward.
+  "os", all-reduce over "rep"); they complete in later hooks, at the end of backward, or,
+  for the last stage, in ``step()`` (unit by unit) or whatever next needs the gradients.
 - SYNCED: the step's G is reduced over all ranks, in the OS layout; the step may run.
 - SENDING: the new weights are in the fp32 masters, their all-gather into the P shards
   is in flight (``overlap_param_update=True``); the next forward, ``state_dict()`` or

@@ -129,10 +129,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.overlap_param_update = overlap_param_update
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
+        self._unit_slices: dict[int, tuple[int, list[DTensor]]] = {}  # id(unit) -> (start, masters)
         self._fqns: list[str] = []
         for unit in self._model_state.units:
             masters = self._build_masters(unit)
             self._unit_masters.append((unit, masters))
+            self._unit_slices[id(unit)] = (len(self._masters), masters)
             self._masters.extend(masters)
             self._fqns.extend(unit.param_fqns)
         # Plain Parameters sharing storage with the master DTensors' local shards.
@@ -179,28 +181,31 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     # ---- gradients ----------------------------------------------------------------
     def _prepare_master_grads(self) -> None:
-        """fp32 master grads from the synced G (divided by the gradient divide factor)."""
+        """fp32 master grads from the synced G (divided by the gradient divide factor),
+        for every unit: waits for the gradient collectives still in flight."""
         if self._grads_ready:
             return
         self._check_ready_to_step()
-        state = self._model_state
-        factor = state.divide_factor
-        index = 0
-        for unit, masters in self._unit_masters:
-            views = unit.os_layout.views(unit.grad_synced) if unit.grad_synced is not None else None
-            for j, master in enumerate(masters):
-                opt_param = self._opt_params[index]
-                index += 1
-                if views is None:
-                    opt_param.grad = None
-                    continue
-                local = master.to_local()
-                grad_local = (views[j].to(torch.float32) / factor).view(local.shape)
-                opt_param.grad = grad_local
+        grad_path.finish_sync(self._model_state)
+        for unit, _ in self._unit_masters:
+            self._prepare_unit_grads(unit)
         self._grads_ready = True
 
+    def _prepare_unit_grads(self, unit: AMSPUnit) -> None:
+        factor = self._model_state.divide_factor
+        start, masters = self._unit_slices[id(unit)]
+        views = unit.os_layout.views(unit.grad_synced) if unit.grad_synced is not None else None
+        for j, master in enumerate(masters):
+            opt_param = self._opt_params[start + j]
+            if views is None:
+                opt_param.grad = None
+                continue
+            local = master.to_local()
+            opt_param.grad = (views[j].to(torch.float32) / factor).view(local.shape)
+
     def _check_ready_to_step(self) -> None:
-        """Every unit must be SYNCED (lifecycle.py); say what the user did otherwise."""
+        """Every unit must be SYNCED, or REDUCING with its last stage in flight after the
+        backward (lifecycle.py); say what the user did otherwise."""
         state = self._model_state
         if state.iteration_aborted():
             raise RuntimeError(
@@ -213,10 +218,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "last gradient sync: run the last micro-batch's backward outside no_sync "
                 "before optimizer.step() / clip_grad_norm_()"
             )
+        reducing = grad_path.in_flight_units(state)
         for unit in state.units:
             unit.check_device()
             current = unit.lifecycle.state
-            if current is StepState.SYNCED:
+            if current is StepState.SYNCED or (
+                current is StepState.REDUCING and id(unit) in reducing
+            ):
                 continue
             if current in (StepState.SENDING, StepState.UPDATED):
                 raise RuntimeError(
@@ -277,22 +285,58 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("AMSPOptimizer.step does not take a closure (run backward first)")
-        self._prepare_master_grads()
+        if self._steps_per_unit():
+            self._check_ready_to_step()
+        else:
+            self._prepare_master_grads()
         if self._placeholder_state:
             # state_dict() ran before the first step and no checkpoint was loaded: let
             # the optimizer create its state as it would have (exactly, for any class).
             self.inner.state.clear()
             self._placeholder_state = False
-        self.inner.step()
-        self._has_stepped = True
-        for opt_param in self._opt_params:
-            opt_param.grad = None  # the fp32 copies are step-time scratch; G stays until zero_grad
-        self._grads_ready = False
         collectives = self._model_state.collectives
-        for unit, masters in self._unit_masters:
-            param_update.send(unit, masters, collectives)
+        if self._steps_per_unit():
+            self._step_per_unit(collectives)
+        else:
+            self.inner.step()
+            for opt_param in self._opt_params:
+                opt_param.grad = None  # step-time scratch; G stays until zero_grad
+            for unit, masters in self._unit_masters:
+                param_update.send(unit, masters, collectives)
+        self._has_stepped = True
+        self._grads_ready = False
         if not self.overlap_param_update:
             self.wait_param_update()
+
+    def _steps_per_unit(self) -> bool:
+        """[Note: per-unit step] An elementwise optimizer's update of one parameter reads
+        nothing of the others, so stepping the units one by one (the wrapped optimizer
+        skips parameters whose grad is None) is bit-identical to one step over all of
+        them. Each unit is stepped as soon as its own gradient collectives have landed,
+        in the order they were issued, and its post-step all-gather is issued right away,
+        so it overlaps the later units' waits and updates. With clip_grad_norm_ the norm
+        needs every gradient first; the updates are still issued unit by unit."""
+        return (self._model_state.overlap.step
+                and self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
+
+    def _step_per_unit(self, collectives) -> None:
+        state = self._model_state
+        prepared = [p.grad for p in self._opt_params] if self._grads_ready else None
+        for opt_param in self._opt_params:
+            opt_param.grad = None
+        for unit in grad_path.sync_order(state):
+            start, masters = self._unit_slices[id(unit)]
+            mine = self._opt_params[start:start + len(masters)]
+            if prepared is not None:
+                for j, opt_param in enumerate(mine):
+                    opt_param.grad = prepared[start + j]
+            else:
+                grad_path.finish_unit_sync(state, unit)
+                self._prepare_unit_grads(unit)
+            self.inner.step()
+            for opt_param in mine:
+                opt_param.grad = None
+            param_update.send(unit, masters, collectives)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the step's gradients. After a forward or backward that raised, also reset
@@ -305,6 +349,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         state = self._model_state
         if state.iteration_aborted():
             grad_path.reset_iteration(state)
+        grad_path.finish_sync(state)  # nothing may land in a buffer dropped here
         for unit in state.units:
             unit.grad_accum = None
             unit.grad_synced = None

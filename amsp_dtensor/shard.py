@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
 
-from . import compat, param_update, streams
+from . import compat, overlap, param_update, streams
 from . import grad as grad_path
 from .collectives import Collectives, RecordingAllGather, RecordingReduceScatter
 from .mesh import mesh_info
@@ -25,7 +25,7 @@ from .state import AMSPState, AMSPUnit, build_layouts, clean_fqn, find_state
 __all__ = ["fully_shard"]
 
 
-def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def _owned_params(module: nn.Module, first_name: dict | None = None) -> list[tuple[str, nn.Parameter]]:
     """Params of ``module`` not owned by an AMSP unit further down (may be on meta:
     torchtitan shards the meta model and materialises it afterwards, as with FSDP2).
 
@@ -36,7 +36,9 @@ def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     unit_at = {name: sub._amsp_unit for name, sub in module.named_modules()
                if sub is not module and getattr(sub, "_amsp_unit", None) is not None}
     owner_of = {id(p): unit for unit in unit_at.values() for p in unit.params}
-    first_name, owned = {}, []
+    # shared by the modules of one unit (a list): a weight tied between them is one param
+    first_name = {} if first_name is None else first_name
+    owned = []
     for name, param in module.named_parameters(remove_duplicate=False):
         location = _unit_containing(name, unit_at)  # None: this module's own param
         owner = owner_of.get(id(param)) or getattr(param, "_amsp_unit_of", None)
@@ -88,9 +90,32 @@ def _already_sharded_message(module: nn.Module, name: str, owner: AMSPUnit) -> s
     )
 
 
-def _check_args(module, mesh, plan, mp_policy, reshard_after_forward):
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+def _as_module_list(module) -> list[nn.Module]:
+    """``module`` or a list of modules (one unit, as FSDP2's ``fully_shard`` takes)."""
+    if isinstance(module, nn.Module):
+        return [module]
+    if isinstance(module, (list, tuple)) and module:
+        modules = list(module)
+        bad = [type(m).__name__ for m in modules if not isinstance(m, nn.Module)]
+        if bad:
+            raise TypeError(f"fully_shard expects nn.Modules, got {', '.join(bad)} in the list")
+        if len({id(m) for m in modules}) != len(modules):
+            raise ValueError("fully_shard got the same module twice in one list")
+        for m in modules:
+            inside = [o for o in modules if o is not m and any(s is m for s in o.modules())]
+            if inside:
+                raise ValueError(
+                    f"fully_shard list: {type(m).__name__} is inside "
+                    f"{type(inside[0]).__name__}; list sibling modules only"
+                )
+        return modules
+    raise TypeError(
+        f"fully_shard expects an nn.Module or a non-empty list of them, got "
+        f"{type(module).__name__}"
+    )
+
+
+def _check_module(module: nn.Module) -> None:
     if getattr(module, "_amsp_unit", None) is not None or hasattr(module, "_amsp_state"):
         raise ValueError(f"{type(module).__name__} is already sharded by amsp.fully_shard")
     if isinstance(module, FSDPModule):
@@ -98,8 +123,14 @@ def _check_args(module, mesh, plan, mp_policy, reshard_after_forward):
             f"{type(module).__name__} was already wrapped by torch's fully_shard: use "
             "amsp.fully_shard instead of (not on top of) FSDP2's"
         )
+
+
+def _check_args(modules, mesh, plan, mp_policy, reshard_after_forward):
+    for module in modules:
+        _check_module(module)
     if not isinstance(plan, (ShardingPlan, ResolvedPlan)):
         raise TypeError(f"plan must be amsp.ShardingPlan, got {type(plan).__name__}")
+
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
@@ -122,37 +153,70 @@ def _check_args(module, mesh, plan, mp_policy, reshard_after_forward):
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh,
     plan: ShardingPlan,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s own params by ``plan`` (P over "p"; G and OS by the engine).
 
-    ``mesh`` comes from ``amsp.init_mesh(plan)``. ``mp_policy`` and
-    ``reshard_after_forward`` are FSDP2's and are passed to it (they have no effect when
-    param_shard is 1, where there is no all-gather). For the paper's bf16 setting cast
-    the model to bf16 first: the engine keeps fp32 master weights in the OS layout.
+    ``module`` may be a list of sibling modules that form one unit, as with FSDP2
+    (torchtitan shards ``[model.norm, model.output]`` together); a list is never the
+    root, so shard the model containing it afterwards. ``mesh`` comes from
+    ``amsp.init_mesh(plan)``. ``mp_policy`` and ``reshard_after_forward`` are FSDP2's
+    and are passed to it (they have no effect when param_shard is 1, where there is no
+    all-gather). For the paper's bf16 setting cast the model to bf16 first: the engine
+    keeps fp32 master weights in the OS layout.
     """
-    info = _check_args(module, mesh, plan, mp_policy, reshard_after_forward)
-    named = _owned_params(module)
-    dtypes = {p.dtype for _, p in named}
+    modules = _as_module_list(module)
+    info = _check_args(modules, mesh, plan, mp_policy, reshard_after_forward)
+    first_name: dict = {}
+    located = [(i, name, param) for i, m in enumerate(modules)
+               for name, param in _owned_params(m, first_name)]
+    dtypes = {p.dtype for _, _, p in located}
     if len(dtypes) > 1:
         raise ValueError(
-            f"{type(module).__name__} mixes parameter dtypes {sorted(map(str, dtypes))}: "
+            f"{_describe(modules)} mixes parameter dtypes {sorted(map(str, dtypes))}: "
             "cast the model to one dtype (bf16 for the paper's setting) first"
         )
     collectives = Collectives(info)
-    if named:
-        unit = _make_unit(module, named, info, collectives, mp_policy, reshard_after_forward)
-        module._amsp_unit = unit
-    _become_root(module, info, collectives)
+    if located:
+        unit = _make_unit(modules, located, info, collectives, mp_policy,
+                          reshard_after_forward)
+        for m in modules:
+            m._amsp_unit = unit
+    elif len(modules) > 1:
+        raise ValueError(f"{_describe(modules)} has no parameters of its own to shard")
+    elif info.plan.s_p > 1 and _has_fsdp_units(module):
+        # [Note: parameter-less root] FSDP2 needs one root state over all its units;
+        # without it each unit below would be a root of its own (a list unit cannot).
+        # As torchtitan does, the root is handed to FSDP2 even with no params of its own.
+        kwargs = {"mesh": info.mesh["p"]}
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        fsdp_fully_shard(module, **kwargs)
+    if isinstance(module, nn.Module):
+        _become_root(module, info, collectives)
     return module
 
 
-def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forward) -> AMSPUnit:
+def _has_fsdp_units(module: nn.Module) -> bool:
+    return any(getattr(m, "_amsp_unit", None) is not None and m._amsp_unit.uses_fsdp
+               for m in module.modules())
+
+
+def _describe(modules: list[nn.Module]) -> str:
+    names = [type(m).__name__ for m in modules]
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+
+
+def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_forward) -> AMSPUnit:
+    """One unit over ``modules`` (usually one); ``located``: (module index, name, param)."""
+    named = [(name, param) for _, name, param in located]
+    module_of = {id(param): i for i, _, param in located}
+    module = modules[0]  # FSDP2 keeps a list's state on its first module
     s_p = info.plan.s_p
     uses_fsdp = s_p > 1
     if not uses_fsdp and mp_policy is not None and mp_policy.param_dtype not in (
@@ -178,7 +242,7 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
-        fsdp_fully_shard(module, **kwargs)
+        fsdp_fully_shard(modules if len(modules) > 1 else module, **kwargs)
         layouts = [compat.fsdp_param_layout(fp) for fp in compat.fsdp_params(module)
                    if fp.sharded_param.requires_grad]
         global_shapes = [shape for shape, _, _ in layouts]
@@ -204,9 +268,11 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         os_layout=os_layout,
         reduce_dtype=mp_policy.reduce_dtype if mp_policy is not None else None,
         device=device,
+        modules=list(modules),
+        param_module=[module_of[id(p)] for _, p in trainable],
     )
     if uses_fsdp:
-        unit.param_names = _fsdp_names(module, unit.params)
+        unit.param_module, unit.param_names = _fsdp_names(modules, unit.params)
         # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
         # engine divides once, on the fp32 master grads.
         module.set_force_sum_reduction_for_comms(True)
@@ -224,7 +290,8 @@ def _make_unit(module, named, info, collectives, mp_policy, reshard_after_forwar
         param._amsp_unit_of = unit
     # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
     # by the last optimizer step, must have landed before it is all-gathered or used.
-    module.register_forward_pre_hook(_unit_pre_forward(unit), prepend=True)
+    for m in modules:
+        m.register_forward_pre_hook(_unit_pre_forward(unit), prepend=True)
     if not uses_fsdp:
         _land_before_submodule_forward(unit)
     return unit
@@ -240,19 +307,26 @@ def _land_before_submodule_forward(unit: AMSPUnit) -> None:
     def hook(module, args):
         param_update.land(unit)
 
-    for sub in unit.module.modules():
-        if sub is not unit.module and any(id(p) in owned for p in sub.parameters(recurse=False)):
-            sub.register_forward_pre_hook(hook)
+    for top in unit.modules:
+        for sub in top.modules():
+            if sub is not top and any(id(p) in owned for p in sub.parameters(recurse=False)):
+                sub.register_forward_pre_hook(hook)
 
 
-def _fsdp_names(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
-    by_id = {id(p): n for n, p in module.named_parameters()}
-    return [by_id[id(p)] for p in params]
+def _fsdp_names(modules: list[nn.Module], params: list[nn.Parameter]) -> tuple[list[int], list[str]]:
+    """(module index, name in that module) of each of FSDP's params."""
+    by_id = {}
+    for index, module in reversed(list(enumerate(modules))):
+        by_id.update({id(p): (index, n) for n, p in module.named_parameters()})
+    located = [by_id[id(p)] for p in params]
+    return [i for i, _ in located], [n for _, n in located]
 
 
 def _unit_pre_forward(unit: AMSPUnit):
     def hook(module, args):
         unit.check_device()
+        if unit.state is not None:
+            overlap.record_forward(unit.state, unit)
         param_update.land(unit)
         if unit.uses_fsdp:
             # Units FSDP will prefetch from here need their new shards too.
@@ -289,10 +363,13 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
     prefix_of = {m: clean_fqn(name) for name, m in module.named_modules()}
     for unit in units:
         unit.state = state
-        prefix = prefix_of[unit.module]
-        unit.fqn = prefix
-        unit.lifecycle.owner = prefix
-        unit.param_fqns = [clean_fqn(f"{prefix}.{n}" if prefix else n) for n in unit.param_names]
+        prefixes = [prefix_of[m] for m in unit.modules]
+        unit.fqn = prefixes[0] if len(prefixes) == 1 else f"[{', '.join(prefixes)}]"
+        unit.lifecycle.owner = unit.fqn
+        unit.param_fqns = [
+            clean_fqn(f"{prefixes[i]}.{n}" if prefixes[i] else n)
+            for i, n in zip(unit.param_module, unit.param_names)
+        ]
     for sub in module.modules():
         if sub is not module and hasattr(sub, "_amsp_state"):
             # A former root (a block sharded before its parent) is a root no more.
@@ -320,7 +397,9 @@ def _root_pre_forward(module, args):
 
 
 def _root_post_forward(module, args, output):
-    find_state(module).in_forward = False
+    state = find_state(module)
+    state.in_forward = False
+    overlap.forward_done(state)
 
 
 def _land_updates_before_state_dict(module, prefix, keep_vars):

@@ -22,13 +22,22 @@ from .lifecycle import StepLifecycle
 from .mesh import MeshInfo
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """Which of the engine's overlaps are on (``amsp.set_overlap``); see overlap.py."""
+
+    grad_sync: bool = True  # each gradient stage issued as soon as its input is ready
+    prefetch: bool = True  # explicit FSDP2 prefetch of the next unit's all-gather
+    step: bool = True  # per-unit optimizer step, each unit's all-gather right after it
+
+
 @dataclass(eq=False)  # units are compared and hashed by identity
 class AMSPUnit:
-    module: nn.Module
+    module: nn.Module  # the first of ``modules`` (FSDP2 keeps a list's state on it)
     fqn: str  # for messages; set when the root is known
     info: MeshInfo
     own_params: list[nn.Parameter] | None  # s_p = 1 units; FSDP units read FSDP's (below)
-    param_names: list[str]  # relative to ``module``, in the order of the flat buffers
+    param_names: list[str]  # relative to their module, in the order of the flat buffers
     frozen_params: list[nn.Parameter]  # s_p = 1: requires_grad=False params (P only)
     uses_fsdp: bool  # False when s_p == 1: plain params, our own hooks, no FSDP copy
     global_shapes: list[torch.Size]
@@ -37,6 +46,10 @@ class AMSPUnit:
     os_layout: FlatLayout  # this rank's OS rows (P rows split over the OS subgroup)
     reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype (None: param dtype)
     device: torch.device  # where the P shards were when sharded (checked before use)
+    # every module of the unit (``amsp.fully_shard([norm, output])``: several, as FSDP2
+    # takes), and for each entry of ``param_names`` the index of the module it is in
+    modules: list[nn.Module] = field(default_factory=list)
+    param_module: list[int] = field(default_factory=list)
     param_fqns: list[str] = field(default_factory=list)
     state: "AMSPState | None" = None
     lifecycle: StepLifecycle = field(default_factory=StepLifecycle)
@@ -66,7 +79,8 @@ class AMSPUnit:
         a meta model) may have replaced. Returns True if any changed (hooks need re-adding)."""
         if self.uses_fsdp:
             return False
-        current = [self.module.get_parameter(name) for name in self.param_names]
+        current = [self.modules[i].get_parameter(name)
+                   for i, name in zip(self.param_module, self.param_names)]
         changed = any(a is not b for a, b in zip(current, self.own_params))
         self.own_params = current
         return changed
@@ -107,6 +121,7 @@ class InFlight:
     stage: str  # "g_reduce" | "os_reduce" | "rep_reduce"
     pending: PendingComm
     keepalive: torch.Tensor | None  # the collective's input, alive until it completes
+    sync: bool  # issued by the last backward of a step (its completion issues the sync)
 
 
 @dataclass
@@ -133,6 +148,11 @@ class AMSPState:
     in_forward: bool = False  # root forward started and has not returned
     unsynced_micro_batches: int = 0
     optimizer_bound: bool = False  # an AMSPOptimizer was built over these units
+    overlap: Overlap = field(default_factory=Overlap)
+    # units in the order their forward pre-hooks first ran (overlap.py: prefetch order);
+    # complete once the root's first forward has returned
+    forward_order: list = field(default_factory=list)
+    forward_order_known: bool = False
     grad_stream: object = None  # CUDA: the engine's grad stream (streams.py); None on CPU
     # called as observer(unit, hook_input) at the end of each unit's gradient hook, when
     # the engine has taken that unit's grads (observe/ uses it to measure memory there)

@@ -14,7 +14,9 @@ overlap_param_update=True, so each unit's new P rows are unpacked in its forward
    moves no data, so the engine's own all-gather is given every rank's rows = ours).
 3. On CUDA, the gradient path ran on the engine's grad stream and the synced G is
    readable on the compute stream after backward (streams.py, rules 1 and 2).
-4. The lifecycle: every unit is SYNCED after backward, UPDATED after landing.
+4. The lifecycle: after backward every unit is SYNCED or REDUCING with its last gradient
+   stage in flight (grad.py), SYNCED once those complete, UPDATED after landing.
+Units are cut as torchtitan cuts them (embeddings, blocks, [norm, output] as one unit).
 Exit 0 and "gpu_check: OK" when all hold; one line per failure otherwise.
 """
 
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
         return 2
 
     import amsp_dtensor as amsp
-    from amsp_dtensor import collectives, compat
+    from amsp_dtensor import collectives, compat, grad
     from amsp_dtensor.lifecycle import StepState
     from amsp_dtensor.state import find_state
     from amsp_dtensor.testing.tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
@@ -56,8 +58,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg = TinyLlamaConfig(dim=256, ffn_dim=512, n_layers=4, vocab_size=512)
     model = TinyLlama(cfg).to(device)
+    amsp.fully_shard(model.tok_embeddings, mesh=mesh, plan=plan)
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=plan)
+    amsp.fully_shard([model.norm, model.output], mesh=mesh, plan=plan,
+                     reshard_after_forward=False)
     amsp.fully_shard(model, mesh=mesh, plan=plan)
     optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_param_update=True)
     state = find_state(model)
@@ -66,8 +71,15 @@ def main(argv=None) -> int:
 
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), device=device)
     loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    reducing = grad.in_flight_units(state)
+    if any(u.lifecycle.state is not StepState.SYNCED
+           and not (u.lifecycle.state is StepState.REDUCING and id(u) in reducing)
+           for u in state.units):
+        failures.append("a unit is neither SYNCED nor REDUCING with collectives in flight "
+                        "after backward")
+    grad.finish_sync(state)
     if any(u.lifecycle.state is not StepState.SYNCED for u in state.units):
-        failures.append("a unit is not SYNCED after backward")
+        failures.append("a unit is not SYNCED once its gradient collectives completed")
     if device.type == "cuda":
         if state.grad_stream is None:
             failures.append("no grad stream on CUDA")

@@ -15,20 +15,27 @@ from .comm import event_counter, predicted_events
 __all__ = ["unit_param_shapes_of", "schedule_differences"]
 
 
-def unit_param_shapes_of(model, blocks: Iterable) -> tuple[list[list[tuple]], int]:
-    """(unit_param_shapes, root_unit_index) for a model wrapped block by block, then root.
+def unit_param_shapes_of(model, blocks: Iterable) -> tuple[list[list[tuple]], int | None]:
+    """(unit_param_shapes, root_unit_index) for a model wrapped unit by unit, then root.
 
-    Units follow the wrap order: each block's params, then the root's own params (those in
-    no block), as named_parameters() lists them. The root is the last unit.
+    ``blocks``: the units in wrap order, each a module or a list of modules (one unit, as
+    ``fully_shard([norm, output])``). Then the root's own params (those in no unit), as
+    named_parameters() lists them, are the last unit: its index is returned (None when
+    the root holds no params of its own).
     """
     units, seen = [], set()
     for block in blocks:
         shapes = []
-        for p in block.parameters():
-            seen.add(id(p))
-            shapes.append(tuple(p.shape))
+        for module in (block if isinstance(block, (list, tuple)) else [block]):
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    shapes.append(tuple(p.shape))
         units.append(shapes)
-    units.append([tuple(p.shape) for p in model.parameters() if id(p) not in seen])
+    rest = [tuple(p.shape) for p in model.parameters() if id(p) not in seen]
+    if not rest:
+        return units, None
+    units.append(rest)
     return units, len(units) - 1
 
 

@@ -154,7 +154,7 @@ def predicted_events(
     unit_param_shapes: Sequence[Shapes],
     micro_batches: int,
     dtype_bytes: int,
-    root_unit_index: int,
+    root_unit_index: "int | Iterable[int] | None",
     reshard_after_forward: Union[bool, int] = True,
     clip: bool = False,
     *,
@@ -168,7 +168,8 @@ def predicted_events(
     unit_param_shapes: for each FSDP unit, the shapes of its params (dim0 first).
     dtype_bytes: e, the element size of the param dtype (2 bf16, 4 fp32).
     root_unit_index: index of the root unit in unit_param_shapes (kept unsharded after
-      forward by FSDP2, so it has no backward all-gather); -1 or None if there is none.
+      forward by FSDP2, so it has no backward all-gather), or several such indices
+      (torchtitan also keeps [norm, output] unsharded); -1 or None if there is none.
     reshard_after_forward: True (default), False (no backward AG), or an int k (ZeRO++ hpZ:
       the backward AG runs over the k contiguous ranks that keep a secondary copy).
     clip: add clip_grad_norm_'s scalar all-reduce.
@@ -195,6 +196,13 @@ def predicted_events(
                         g.stride, g.nodes)
         )
 
+    n_units = len(unit_param_shapes)
+    if root_unit_index is None:
+        kept = set()
+    elif isinstance(root_unit_index, int):
+        kept = {root_unit_index % n_units} if n_units else set()
+    else:
+        kept = {int(i) % n_units for i in root_unit_index}
     for u, shapes in enumerate(unit_param_shapes):
         key = tuple(tuple(int(d) for d in shape) for shape in shapes)
         pad_p = e * _padded(key, p.s_p)
@@ -202,7 +210,7 @@ def predicted_events(
         pad_g = r * _padded(key, p.s_g)
         pad_os = r * _padded(key, p.s_os)
         ag_os = e * _padded(key, p.s_os)
-        is_root = root_unit_index is not None and u == root_unit_index % len(unit_param_shapes)
+        is_root = u in kept
         if p.s_p > 1:
             add("all_gather", "p", pad_p, "forward", M, u)
             if not is_root and reshard_after_forward is not False:

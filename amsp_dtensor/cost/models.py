@@ -59,6 +59,9 @@ def llama3_ffn_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | No
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+LAYOUTS = ("blocks", "titan")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A Llama-style decoder: enough to list every parameter and size the activations."""
@@ -71,6 +74,11 @@ class ModelShape:
     ffn_hidden: int
     n_kv_heads: int | None = None
     notes: str = field(default="", compare=False)
+    # how the model is cut into units: "blocks" = every block, then the root (embeddings,
+    # final norm, output head: kept unsharded after forward); "titan" = as torchtitan
+    # shards: the embeddings, every block, then [final norm, output head] (kept
+    # unsharded after forward), the root holding nothing
+    layout: str = "blocks"
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden"):
@@ -81,6 +89,8 @@ class ModelShape:
             raise ValueError(f"model {self.name}: dim={self.dim} not divisible by n_heads={self.n_heads}")
         if self.kv_heads < 1 or self.n_heads % self.kv_heads:
             raise ValueError(f"model {self.name}: n_heads={self.n_heads} not divisible by n_kv_heads={self.kv_heads}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"model {self.name}: layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -114,9 +124,14 @@ class ModelShape:
         ]
 
     def units(self) -> list[list[ParamShape]]:
-        """FSDP units in wrap order: block 0 .. block L-1, then the root (index L)."""
+        """FSDP units in wrap order. "blocks": block 0 .. block L-1, then the root (index
+        L); "titan": the embeddings, block 0 .. L-1, then [norm, output] (index L + 1)."""
         block = self.block_params()
-        return [list(block) for _ in range(self.n_layers)] + [self.root_params()]
+        blocks = [list(block) for _ in range(self.n_layers)]
+        if self.layout == "titan":
+            embeddings, norm, output = self.root_params()
+            return [[embeddings], *blocks, [norm, output]]
+        return blocks + [self.root_params()]
 
     def unit_param_shapes(self) -> list[list[tuple[int, ...]]]:
         """Same as units() but bare shapes: the format predicted_events() takes."""
@@ -124,7 +139,9 @@ class ModelShape:
 
     @property
     def root_unit_index(self) -> int:
-        return self.n_layers
+        """The unit kept unsharded after forward (no backward all-gather): the root, or
+        [norm, output] in the "titan" layout."""
+        return self.n_layers + (1 if self.layout == "titan" else 0)
 
     @property
     def block_numel(self) -> int:

@@ -12,7 +12,8 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     """{"param", "grad", "optim"} bytes on this rank.
 
     param: P storage (FSDP's padded shard, or the full param when s_p = 1);
-    grad: G buffers alive now (accumulating and/or synced);
+    grad: G buffers alive now (accumulating, synced, or still being reduced in a
+      collective left in flight after backward);
     optim: fp32 masters plus optimizer states shaped like them (0 without optimizer).
     """
     state = find_state(model)
@@ -27,5 +28,7 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
         for buf in (unit.grad_accum, unit.grad_synced):
             if buf is not None:
                 grad += buf.numel() * buf.element_size()
+    grad += sum(e.pending.result.numel() * e.pending.result.element_size()
+                for e in state.in_flight)
     optim = optimizer.memory_bytes() if optimizer is not None else 0
     return {"param": param, "grad": grad, "optim": optim}

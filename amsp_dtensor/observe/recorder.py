@@ -25,11 +25,31 @@ class CommEvent:
     nbytes: int  # see module docstring
     inter_node: bool  # True when the group's ranks are on more than one node
     phase: str  # "forward", "backward", "sync" (last-backward grad sync), "step", "other"
-    seconds: float = 0.0  # issue -> completion as seen by the issuing thread (0 if unknown)
+    seconds: float = 0.0  # issue -> completion (see the Note below)
+    blocked_seconds: float = 0.0  # time the issuing thread spent waiting for it
 
     def key(self) -> tuple:
         """What a schedule comparison looks at (no timing)."""
         return (self.op, self.dim, self.group_size, self.nbytes, self.inter_node, self.phase)
+
+
+# [Note: comm timing]
+# ``seconds`` runs from issue to completion: for gloo the completion is stamped by a
+# callback on the collective's future, so a collective that finished while compute ran
+# is not charged for the time until someone waited for it; elsewhere (NCCL, whose futures
+# follow CUDA streams; gloo's reduce-scatter, which has no future; a collective issued
+# synchronously) it is the time its wait returned, an upper bound. ``blocked_seconds`` is the time the issuing thread spent inside the wait:
+# the part of the collective compute did not hide. Summed over a step, that is the
+# exposed communication seen from this rank (TensorBoard's comm/exposed_seconds).
+
+
+def overlap_summary(events) -> dict[str, float]:
+    """{"comm_seconds", "exposed_seconds", "hidden_fraction"} of some CommEvents:
+    hidden = 1 - exposed / comm (NaN when nothing was timed)."""
+    comm = sum(e.seconds for e in events)
+    exposed = sum(e.blocked_seconds for e in events)
+    hidden = 1.0 - min(exposed, comm) / comm if comm > 0 else float("nan")
+    return {"comm_seconds": comm, "exposed_seconds": exposed, "hidden_fraction": hidden}
 
 
 class CommRecorder:

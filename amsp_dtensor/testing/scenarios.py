@@ -103,8 +103,25 @@ def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, va
     }
 
 
+def shard_model(model, mesh, sharding, policy=None, layout="blocks"):
+    """``layout``: "blocks" = every block, then the root (embeddings, final norm and
+    output head in one unit); "titan" = as torchtitan shards: the embeddings, every
+    block, [final norm, output head] (kept unsharded after forward), then the root."""
+    import amsp_dtensor as amsp
+
+    if layout == "titan":
+        amsp.fully_shard(model.tok_embeddings, mesh=mesh, plan=sharding, mp_policy=policy)
+    for block in model.layers:
+        amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=policy)
+    if layout == "titan":
+        amsp.fully_shard([model.norm, model.output], mesh=mesh, plan=sharding,
+                         mp_policy=policy, reshard_after_forward=False)
+    amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=policy)
+
+
 def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1,
-                  overlap=False, reduce_dtype=None, read_steps=0, variant="", optimizer="adamw"):
+                  overlap=False, reduce_dtype=None, read_steps=0, variant="", optimizer="adamw",
+                  layout="blocks", overlaps=None, clip=True):
     """Train under ``plan`` (a (s_p, s_g, s_os) tuple); returns losses, norms, the final
     full weights (rank 0), this rank's memory per state, and one step's CommEvents.
 
@@ -114,9 +131,11 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     ``model.state_dict()`` and a forward; "stale_before_wait" then says whether step 0's
     weights read before the wait were the old ones. ``reduce_dtype``: a
     MixedPrecisionPolicy(reduce_dtype=...) for every unit. ``variant``: MODEL_VARIANTS;
-    ``optimizer``: OPTIMIZERS.
+    ``optimizer``: OPTIMIZERS; ``layout``: shard_model's; ``overlaps``: keyword arguments
+    of amsp.set_overlap; ``clip``: clip_grad_norm_ before each step ("norms" empty if not).
     """
     import amsp_dtensor as amsp
+    from amsp_dtensor.state import find_state
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])
@@ -124,12 +143,13 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     mesh = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node, device_type="cpu")
     model = make_model(dtype, variant=variant)
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
-    for block in model.layers:
-        amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=policy)
-    amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=policy)
+    shard_model(model, mesh, sharding, policy, layout)
+    if overlaps:
+        amsp.set_overlap(model, **overlaps)
     cls, kwargs = OPTIMIZERS[optimizer]
     optim = amsp.AMSPOptimizer(model, cls, overlap_param_update=overlap, **kwargs)
     losses, norms, memory, step_weights = [], [], {}, []
+    in_flight_after_backward = []  # gradient collectives still in flight when step() begins
     stale_before_wait = None
     # Events land when their collective completes (with overlap, the post-step all-gather
     # completes in the next forward), so the recorder is read after training.
@@ -144,7 +164,9 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
                 step_loss += loss.detach().float()
                 if step == 0 and micro == 0 and micro_batches > 1:
                     memory["grad"] = amsp.memory_by_state(model)["grad"]
-            norms.append(optim.clip_grad_norm_(MAX_NORM).item())
+            in_flight_after_backward.append(len(find_state(model).in_flight))
+            if clip:
+                norms.append(optim.clip_grad_norm_(MAX_NORM).item())
             optim.step()
             if step < read_steps:
                 if overlap:
@@ -162,6 +184,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     memory["param"], memory["optim"] = mem["param"], mem["optim"]
     optim.wait_param_update()
     events = [e.key() for e in recorder.events]
+    timings = [(e.seconds, e.blocked_seconds) for e in recorder.events]
     weights = full_weights(model)
     return {
         "losses": losses,
@@ -171,6 +194,8 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
         "stale_before_wait": stale_before_wait,
         "memory": memory,
         "events": events,
+        "timings": timings,
+        "in_flight_after_backward": in_flight_after_backward,
     }
 
 

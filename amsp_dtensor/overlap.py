@@ -1,0 +1,86 @@
+"""``amsp.set_overlap``: which of the engine's communication runs behind compute.
+
+Four overlaps, each with its own switch so that its effect can be measured alone:
+
+- ``grad_sync`` (model): every stage of a unit's gradient sync is issued as soon as its
+  input is ready, and the last stages stay in flight after backward returns (grad.py).
+  Off: each gradient collective is waited for right after it is issued.
+- ``prefetch`` (model): explicit FSDP2 prefetch, set from the order in which the units'
+  forwards first ran: each unit all-gathers the next one in forward and the previous one
+  in backward. On CPU, where FSDP2 has no streams, the all-gathers are also made async
+  (only then does a prefetched all-gather run while the current unit computes); on CUDA
+  FSDP2's own streams overlap them. Off: FSDP2's defaults (implicit backward prefetch).
+- ``step`` (model): per-unit optimizer step for elementwise optimizers (optim.py): each
+  unit is updated as soon as its gradients have landed and its post-step all-gather is
+  issued right after. Off: the whole step, then every all-gather.
+- ``overlap_param_update`` (``AMSPOptimizer``'s argument, off by default): the post-step
+  all-gathers are left in flight and land in the next forward.
+
+The first three are on by default: they change when collectives are waited for, never
+what they compute, so losses and weights are bit-identical either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from . import compat
+from .state import AMSPState, AMSPUnit, Overlap, find_state
+
+__all__ = ["Overlap", "set_overlap"]
+
+
+def set_overlap(
+    model: nn.Module,
+    *,
+    grad_sync: bool | None = None,
+    prefetch: bool | None = None,
+    step: bool | None = None,
+) -> Overlap:
+    """Switch overlaps of the root ``model`` on or off (None: leave as is); returns the
+    settings now in force. Call between steps (not inside forward or backward)."""
+    given = {"grad_sync": grad_sync, "prefetch": prefetch, "step": step}
+    for name, value in given.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"set_overlap({name}=...) takes a bool or None, got {value!r}")
+    state = find_state(model)
+    if state.in_forward or state.backward is not None:
+        raise RuntimeError(
+            "set_overlap() during a forward or backward: call it between steps"
+        )
+    state.overlap = dataclasses.replace(
+        state.overlap, **{k: v for k, v in given.items() if v is not None}
+    )
+    apply_prefetch(state)
+    return state.overlap
+
+
+def record_forward(state: AMSPState, unit: AMSPUnit) -> None:
+    """A unit's forward pre-hook ran: learn the forward order (first forward only)."""
+    if not state.forward_order_known and unit not in state.forward_order:
+        state.forward_order.append(unit)
+
+
+def forward_done(state: AMSPState) -> None:
+    """The root's forward returned: the order is known; set the prefetch from it."""
+    if not state.forward_order_known:
+        state.forward_order_known = True
+        apply_prefetch(state)
+
+
+def apply_prefetch(state: AMSPState) -> None:
+    """Set (or clear) FSDP2's explicit prefetch lists of every FSDP unit."""
+    if not state.forward_order_known:
+        return
+    fsdp_units = [unit for unit in state.forward_order if unit.uses_fsdp]
+    on = state.overlap.prefetch
+    async_all_gather = on and state.info.mesh.device_type == "cpu"
+    for index, unit in enumerate(fsdp_units):
+        after = fsdp_units[index + 1:index + 2] if on else []
+        before = fsdp_units[max(index - 1, 0):index] if on else []
+        unit.module.set_modules_to_forward_prefetch([u.module for u in after])
+        unit.module.set_modules_to_backward_prefetch([u.module for u in before])
+    for unit in fsdp_units:
+        compat.fsdp_set_unshard_async_op(unit.module, async_all_gather)
