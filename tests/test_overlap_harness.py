@@ -273,3 +273,33 @@ def test_overlap_section_replaced_in_place_and_kept_by_bench_report(tmp_path):
     assert kept == "# new report\n\n" + section + "\n"
     assert bench_report.keep_sections("# new report\n", str(tmp_path / "missing.md")) == \
         "# new report\n"
+
+
+def test_options_reach_the_worker_and_schedule():
+    """tools/bench_overlap forwards every workload and overlap option to the worker, and
+    one repetition measures each configuration in real mode, noop / serial once per plan
+    (with all switches on), and the baselines in all three modes."""
+    from tools import bench_worker as W
+    from tools import overlap_worker as O
+
+    args = O.parse_args(["--out", "x", "--steps", "3", "--configs", "all_on,none",
+                         "--modes-per-config", "--amsp-layout", "blocks"])
+    assert (args.warmup, args.reps, args.plans) == (1, 3, "p1-g1-os2")  # harness defaults
+    again = O.parse_args(O.overlap_argv(args) + ["--out", "x"])
+    for dest in (*W.WORKLOAD_DESTS, "configs", "modes", "modes_per_config"):
+        assert getattr(again, dest) == getattr(args, dest), dest
+    plan = W.parse_plan("p2-g2-os4", 4, 2)
+    default = O.parse_args(["--out", "x"])
+    runs = O.schedule(default, plan, 4, 2)
+    planned = [(c, m) for k, _p, c, m in runs if k == "amsp"]
+    assert planned == [(c, "real") for c in O.CONFIGS] + [("all_on", "noop"),
+                                                          ("all_on", "serial")]
+    assert [k for k, *_ in runs].count("amsp:p1-g1-os2") == len(O.CONFIGS) + 2
+    assert [(k, m) for k, _p, _c, m in runs if k in O.BASELINES] == [
+        (k, m) for k in ("zero3", "hsdp") for m in ("real", "noop", "serial")]
+    assert B.steps_for_bw("zero3@200mbit=1,hsdp=2", "200mbit") == "zero3=1,hsdp=2"
+    assert B.steps_for_bw("zero3@200mbit=1,hsdp=2", "1gbit") == "hsdp=2"
+    assert O.steps_for("zero3=1,hsdp=2") == {"zero3": 1, "hsdp": 2}
+    per = O.schedule(args, plan, 4, 2)
+    assert [(c, m) for k, _p, c, m in per if k == "amsp"] == [
+        (c, m) for c in ("all_on", "none") for m in ("real", "noop", "serial")]

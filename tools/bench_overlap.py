@@ -277,7 +277,10 @@ def section(runs: list[dict], command: str, png_name: str = "overlap.png") -> st
         parts += [f"### {meta.get('bw', 'link')}: {meta.get('link_short', meta['link'])}", "",
                   f"AMSP plans: {meta['planner_note']} (planner told {meta['args']['inter_bw'] / 1e6:.0f} "
                   f"MB/s inter-node), given "
-                  f"{meta['args']['plans'] or 'none'}. Run wall time {meta['wall_s']:.0f} s. "
+                  f"{meta['args']['plans'] or 'none'}. "
+                  + (f"Timed steps per measurement: {meta['args']['steps_for']} (others "
+                     f"{meta['args']['steps']}). " if meta["args"].get("steps_for") else "")
+                  + f"Run wall time {meta['wall_s']:.0f} s. "
                   "Losses in real mode across a plan's configurations differ by at most "
                   + ", ".join(f"{v:.1e} ({k.split(':', 1)[1]})" for k, v in spreads.items())
                   + ".", "", table(data), "", "Targets (measured):", ""]
@@ -316,6 +319,19 @@ def write(runs: list[dict], doc: str, png: str, command: str) -> None:
 
 
 # ---------------------------------------------------------------- run
+
+
+def steps_for_bw(spec: str, bw: str) -> str:
+    """The worker's --steps-for at one bandwidth: "zero3@200mbit=1,hsdp=2" at 200mbit ->
+    "zero3=1,hsdp=2", at 1gbit -> "hsdp=2"."""
+    out = []
+    for item in [i.strip() for i in spec.split(",") if i.strip()]:
+        key, sep, n = item.partition("=")
+        system, at, only = key.partition("@")
+        if at and only.strip().lower() != bw.strip().lower():
+            continue
+        out.append(f"{system.strip()}{sep}{n}")
+    return ",".join(out)
 
 
 def load(spec: str) -> tuple[list[dict], str | None]:
@@ -371,16 +387,22 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="amsp_overlap_") as tmp:
             os.chmod(tmp, 0o755)
             out = Path(tmp) / "result.json"
-            worker = ["-m", "tools.overlap_worker", *O.overlap_argv(args),
+            bw_args = argparse.Namespace(**vars(args))
+            bw_args.steps_for = steps_for_bw(args.steps_for, bw)
+            worker = ["-m", "tools.overlap_worker", *O.overlap_argv(bw_args),
                       "--inter-bw", str(inter_bw), "--out", str(out)]
             spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=link,
                                netns=not args.no_netns, timeout_s=args.timeout)
             rc = run_cluster(spec, worker)
-            if rc != 0 or not out.exists():
-                print(f"overlap run at {bw} failed (exit {rc})", file=sys.stderr)
+            try:
+                data = json.loads(out.read_text())  # rank 0 writes it after the last step
+            except (OSError, ValueError):
+                print(f"overlap run at {bw} failed (exit {rc}); no results", file=sys.stderr)
                 rc_all = rc or 1
                 continue
-            data = json.loads(out.read_text())
+            if rc != 0:
+                print(f"overlap run at {bw}: exit {rc} after rank 0 wrote the results "
+                      "(torchrun shutdown); results kept", file=sys.stderr)
         data["meta"]["bw"] = bw if not args.no_netns else "loopback"
         data["meta"]["link_short"] = ("loopback, no shaping" if args.no_netns else
                                       f"inter-node link {bw} (tbf), intra-node loopback")

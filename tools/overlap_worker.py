@@ -71,19 +71,34 @@ def add_overlap_args(ap: argparse.ArgumentParser) -> None:
     ap.set_defaults(**OVERLAP_DEFAULTS)
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"AMSP overlap configurations, of {list(CONFIGS)}")
+    ap.add_argument("--modes", default=",".join(comm_modes.MODES),
+                    help="comm modes to measure (a subset is for quick looks only: the "
+                         "report needs all three)")
+    ap.add_argument("--steps-for", default="",
+                    help="timed steps for some systems instead of --steps, e.g. zero3=1 "
+                         "(keys: amsp, amsp:<plan>, zero3, hsdp)")
     ap.add_argument("--modes-per-config", action="store_true",
                     help="measure noop and serial for every configuration (default: once per "
                          "plan and repetition, with all switches on, shared by the rows)")
 
 
-OVERLAP_DESTS = ("configs", "modes_per_config")
-
-
 def overlap_argv(args: argparse.Namespace) -> list[str]:
-    argv = W.workload_argv(args) + ["--configs", args.configs]
+    argv = W.workload_argv(args) + ["--configs", args.configs, "--modes", args.modes,
+                                    "--steps-for", args.steps_for]
     if args.modes_per_config:
         argv.append("--modes-per-config")
     return argv
+
+
+def steps_for(spec: str) -> dict[str, int]:
+    """"zero3=1,hsdp=2" -> {"zero3": 1, "hsdp": 2}."""
+    out = {}
+    for item in [i.strip() for i in spec.split(",") if i.strip()]:
+        key, sep, n = item.partition("=")
+        if not sep or not n.strip().isdigit() or int(n) < 1:
+            raise SystemExit(f"--steps-for {item!r}: use SYSTEM=N with N >= 1")
+        out[key.strip()] = int(n)
+    return out
 
 
 def _configs(spec: str) -> list[str]:
@@ -109,7 +124,8 @@ def measure(key: str, plan, config: str, mode: str, args, model_args, meshes, wo
     gc.collect()
     system = build(key, plan, config, args, model_args, meshes)
     amsp = key.startswith("amsp")
-    total = args.warmup + args.steps
+    n_steps = steps_for(args.steps_for).get(key, args.steps)
+    total = args.warmup + n_steps
     batches = [W.make_batches(s, args, world, rank, model_args.vocab_size) for s in range(total)]
     rec_cm = system.amsp.record_comms() if amsp else None
     rec = None
@@ -135,7 +151,7 @@ def measure(key: str, plan, config: str, mode: str, args, model_args, meshes, wo
     if rec is not None:
         vals = [getattr(e, "blocked_seconds", None) for e in rec.events]
         if vals and all(v is not None for v in vals):
-            blocked = sum(vals) / args.steps
+            blocked = sum(vals) / n_steps
     # harness reductions, real collectives
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -177,17 +193,23 @@ def plan_runs(args, plan, world, rpn) -> list[tuple[str, object]]:
 def schedule(args, plan, world, rpn) -> list[tuple[str, object, str, str]]:
     """(key, plan, config, mode) of one repetition, in run order."""
     configs = _configs(args.configs)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in comm_modes.MODES]
+    if bad:
+        raise SystemExit(f"unknown comm mode(s) {bad}; use {list(comm_modes.MODES)}")
     out = []
+    others = [m for m in modes if m != "real"]
     for key, p in plan_runs(args, plan, world, rpn):
         if key.startswith("amsp"):
             for c in configs:
-                out.append((key, p, c, "real"))
+                if "real" in modes:
+                    out.append((key, p, c, "real"))
                 if args.modes_per_config:
-                    out += [(key, p, c, "noop"), (key, p, c, "serial")]
+                    out += [(key, p, c, m) for m in others]
             if not args.modes_per_config:
-                out += [(key, p, "all_on", "noop"), (key, p, "all_on", "serial")]
+                out += [(key, p, "all_on", m) for m in others]
         else:
-            out += [(key, None, "all_on", m) for m in ("real", "noop", "serial")]
+            out += [(key, None, "all_on", m) for m in modes]
     return out
 
 
