@@ -106,12 +106,29 @@ def test_no_cross_replica_traffic_on_the_first_micro_batch(debug_run):
     per step, i.e. only in the last micro-batch; the P-group reduce-scatter runs in both."""
     dump, _ = debug_run
     tb = scalars(dump)
-    units = 6 + 1  # llama3 debugmodel: 6 transformer blocks + the root
+    # llama3 debugmodel cut as torchtitan cuts it: the embeddings, 6 transformer blocks,
+    # [final norm, output head]; the root holds nothing
+    units = 1 + 6 + 1
     micro_batches = 2
     for step in (1, 2, 3):
         assert tb["comm/reduce_scatter/os/count"][step] == units
         assert tb["comm/reduce_scatter/p/count"][step] == units * micro_batches
         assert tb["comm/all_gather/os/count"][step] == units
+
+
+def test_exposed_communication_is_logged(debug_run):
+    """Each step logs how long this rank waited for its collectives and the hidden
+    fraction of their time: 0 <= exposed <= the collectives' summed time, 0 <= hidden <= 1."""
+    dump, _ = debug_run
+    tb = scalars(dump)
+    for step in (1, 2, 3):
+        total = sum(v[step] for k, v in tb.items()
+                    if k.startswith("comm/") and k.endswith("/seconds"))
+        exposed = tb["comm/exposed_seconds"][step]
+        hidden = tb["comm/hidden_fraction"][step]
+        assert 0 < exposed <= total + 1e-9, (step, exposed, total)
+        assert 0 <= hidden <= 1
+        assert hidden == pytest.approx(1 - exposed / total, abs=1e-6)
 
 
 def test_memory_by_state_matches_the_plan(debug_run):

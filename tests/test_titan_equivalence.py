@@ -27,16 +27,40 @@ def baseline(tmp_path_factory):
     return losses(dump)
 
 
+_CURVES: dict = {}  # plan -> loss curve of its run above (every overlap on)
+
+
+def _plan_args(plan) -> list[str]:
+    s_p, s_g, s_os = plan
+    return ["--amsp.param_shard", str(s_p), "--amsp.grad_shard", str(s_g),
+            "--amsp.optim_shard", str(s_os), "--training.steps", str(STEPS)]
+
+
 @pytest.mark.parametrize("plan", [(4, 4, 4), (2, 2, 4), (1, 1, 4)], ids=lambda p: "p{}-g{}-os{}".format(*p))
 def test_amsp_loss_curve_matches_torchtitan_fsdp(plan, baseline, tmp_path):
-    s_p, s_g, s_os = plan
-    torchrun(["--amsp.param_shard", str(s_p), "--amsp.grad_shard", str(s_g),
-              "--amsp.optim_shard", str(s_os), "--training.steps", str(STEPS)], tmp_path)
+    torchrun(_plan_args(plan), tmp_path)
     curve = losses(tmp_path)
+    _CURVES[plan] = curve
     assert len(curve) == len(baseline) == STEPS
     assert baseline[-1] < baseline[0] - 0.3  # it trains: the comparison is not of flat lines
     for step, (got, want) in enumerate(zip(curve, baseline), start=1):
         assert abs(got - want) <= REL_TOL * abs(want), (step, got, want, curve, baseline)
+
+
+def test_overlaps_off_give_the_same_losses_bit_for_bit(tmp_path):
+    """The recipe's plan with every overlap switched off in [amsp]: the same losses, to
+    the last bit, as with every overlap on (the runs above)."""
+    plan = (2, 2, 4)
+    if plan not in _CURVES:
+        on = tmp_path / "on"
+        torchrun(_plan_args(plan), on)
+        _CURVES[plan] = losses(on)
+    proc = torchrun(_plan_args(plan) + [
+        "--amsp.no-overlap-grad-sync", "--amsp.no-overlap-prefetch",
+        "--amsp.no-overlap-step", "--amsp.no-overlap-param-update"], tmp_path)
+    assert ("AMSP Overlap(grad_sync=False, prefetch=False, step=False), "
+            "overlap_param_update=False") in proc.stdout + proc.stderr
+    assert losses(tmp_path) == _CURVES[plan]
 
 
 # --------------------------------------------------------------------------------------

@@ -38,6 +38,20 @@ class Amsp:
     next step's forward (AMSP's overlap; torchtitan reads parameters only through forward
     and checkpoints, which wait for it). False: every optimizer step waits for it."""
 
+    overlap_grad_sync: bool = True
+    """True: each stage of a unit's gradient sync is issued as soon as its input is ready
+    and the last stages complete inside the optimizer step. False: every gradient
+    collective is waited for right after it is issued (amsp.set_overlap(grad_sync=))."""
+
+    overlap_prefetch: bool = True
+    """True: explicit FSDP2 prefetch of the next unit's all-gather in forward and backward
+    (async all-gathers on CPU). False: FSDP2's defaults (amsp.set_overlap(prefetch=))."""
+
+    overlap_step: bool = True
+    """True: elementwise optimizers step unit by unit, each as soon as its gradients have
+    landed, and start its post-step all-gather right away (amsp.set_overlap(step=)); with
+    gradient clipping on the norm still needs every gradient first."""
+
     gpu_memory_gib: float = 0.0
     """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
 

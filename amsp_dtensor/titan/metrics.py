@@ -4,6 +4,9 @@ torchtitan already logs loss, throughput (tokens/s per rank), TFLOPS, MFU and me
 This subclass adds, through the same logger (TensorBoard/W&B):
   comm/<op>/<dim>/{bytes,seconds,count}   per step, from amsp.record_comms (CommEvents)
   comm/{intra,inter}_node_bytes           bytes by locality of the group
+  comm/exposed_seconds                    time this rank was blocked waiting for them
+  comm/hidden_fraction                    1 - exposed / issue-to-completion time
+                                          (observe/recorder.py, Note: comm timing)
   memory_by_state/{param,grad,optim}(MiB) this rank's model states, amsp.memory_by_state
   amsp/{s_p,s_g,s_os}                     the plan being run
 and drops "mfu(%)" where the peak FLOP rate is unknown (on CPU torchtitan would silently
@@ -16,6 +19,8 @@ from typing import Any
 
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.tools.utils import device_type
+
+from ..observe.recorder import overlap_summary
 
 UNKNOWN_PEAK_KEYS = ("mfu(%)",)
 
@@ -42,6 +47,9 @@ def comm_scalars(events) -> dict[str, float]:
         out[f"comm/{loc}_node_bytes"] = out.get(f"comm/{loc}_node_bytes", 0) + e.nbytes
     out.setdefault("comm/intra_node_bytes", 0)
     out.setdefault("comm/inter_node_bytes", 0)
+    summary = overlap_summary(events)
+    out["comm/exposed_seconds"] = summary["exposed_seconds"]
+    out["comm/hidden_fraction"] = summary["hidden_fraction"]
     return out
 
 

@@ -5,9 +5,11 @@ keeps its transformer blocks in ``model.layers`` (llama3, qwen3, ...). It mirror
 parallelize_fn (e.g. parallelize_llama, parallelize_qwen3) for everything AMSP does not
 replace (activation checkpointing with that model's selective-AC op list, per-block
 torch.compile, mixed precision) by calling the helpers of the base's own module, then shards
-bottom-up like apply_fsdp: every transformer block is one AMSP unit, the root (embeddings,
-final norm, output) is the last. Tied weights (qwen3's output = tok_embeddings) therefore
-sit in one unit, the root, as the engine requires.
+bottom-up like apply_fsdp: the token embeddings, every transformer block, then the final
+norm and output head together (kept unsharded after forward: backward needs them first),
+each one AMSP unit, so each unit's gradients sync while backward goes on; the root holds
+nothing. Tied weights (qwen3's output = tok_embeddings) must sit in one unit: such a
+model keeps embeddings, final norm and output in the root unit.
 """
 
 from __future__ import annotations
@@ -92,6 +94,19 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     )
 
 
+def _end_units(model: nn.Module) -> tuple | None:
+    """(embeddings, [final norm, output head]) as torchtitan's apply_fsdp cuts them, or
+    None when the model lacks them or ties the output head to the embeddings."""
+    parts = [getattr(model, name, None) for name in ("tok_embeddings", "norm", "output")]
+    if any(not isinstance(part, nn.Module) for part in parts):
+        return None
+    embeddings, norm, output = parts
+    shared = {id(p) for p in embeddings.parameters()} & {id(p) for p in output.parameters()}
+    if shared:
+        return None
+    return embeddings, [norm, output]
+
+
 def amsp_parallelize_fn(base_fn, base_name: str | None = None):
     """The AMSP parallelize_fn for the TrainSpec whose parallelize_fn is ``base_fn``.
 
@@ -137,11 +152,16 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
                               device_type=device_type)
         mp_policy = _mixed_precision(job_config)
         raf = job_config.amsp.reshard_after_forward
+        ends = _end_units(model)
+        if ends:
+            amsp.fully_shard(ends[0], mesh=mesh, plan=sharding, mp_policy=mp_policy,
+                             reshard_after_forward=raf)
         for block in blocks:
             amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=mp_policy,
                              reshard_after_forward=raf)
-        # The root unit: embeddings, final norm, output head (tied to the embeddings in
-        # qwen3's small flavors: one parameter, one unit).
+        if ends:
+            amsp.fully_shard(ends[1], mesh=mesh, plan=sharding, mp_policy=mp_policy,
+                             reshard_after_forward=False)
         amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=mp_policy)
         # torchtitan divides the loss by the global token count itself (Trainer.train_step):
         # the engine must sum gradients, not average them over ranks.

@@ -23,9 +23,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import torchtitan.distributed.utils as dist_utils
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from .. import compat
+from ..overlap import set_overlap
 from ..checkpoint import OTHER_SETTINGS, check_complete, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
 from .rng import STATE_KEY as RNG_KEY
@@ -129,6 +131,12 @@ class AmspTrainer(Trainer):
         if self.amsp_plan is not None and amsp_cfg is not None:
             for opt in self.optimizers.optimizers:
                 opt.overlap_param_update = amsp_cfg.overlap_param_update
+            for part in self.model_parts:
+                overlap = set_overlap(part, grad_sync=amsp_cfg.overlap_grad_sync,
+                                      prefetch=amsp_cfg.overlap_prefetch,
+                                      step=amsp_cfg.overlap_step)
+            logger.info(f"AMSP {overlap}, overlap_param_update="
+                        f"{amsp_cfg.overlap_param_update}")
         if self.amsp_plan is not None:
             self.checkpointer.states[RNG_KEY] = RngState()
             self.checkpointer.dcp_load = _refuse_misfits(self.checkpointer.dcp_load)
