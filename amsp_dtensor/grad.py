@@ -128,7 +128,9 @@ _NEXT_STAGE = {
     "os_reduce": lambda entry, result: _issue_replica_reduce(entry.unit, result),
     "rep_reduce": lambda entry, result: _store_synced(entry.unit, result),
 }
-FIRST_STAGES = ("g_reduce", "os_reduce")  # stages whose completion issues another
+# completed in the next unit's hook: their inputs are P-sized copies, and their
+# completion issues the next stage, if any
+FIRST_STAGES = ("g_reduce", "os_reduce")
 ALL_STAGES = ("g_reduce", "os_reduce", "rep_reduce")
 
 
