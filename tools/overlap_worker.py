@@ -226,6 +226,7 @@ def main(argv=None) -> int:
     runs = schedule(args, plan, world, rpn)
     results = []
     t_start = time.time()
+    load_start = os.getloadavg()
     for rep in range(args.reps):
         for key, p, config, mode in runs:
             t0 = time.time()
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
                        f"torch {torch.__version__}",
             "engine_switches": hasattr(amsp, "set_overlap"),
             "wall_s": time.time() - t_start,
+            # 1-minute load average of the machine (this run's 4 ranks count ~4): more
+            # means other processes took CPU during the measurements
+            "loadavg_start": load_start[0], "loadavg_end": os.getloadavg()[0],
         }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
