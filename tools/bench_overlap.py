@@ -263,7 +263,9 @@ def section(runs: list[dict], command: str, png_name: str = "overlap.png") -> st
              "measurements interleaved in each; median (min-max) over repetitions.",
              "- T_real: real collectives. T_noop: every torch.distributed collective replaced "
              "by its local copies (all-gather: the input into every chunk; reduce-scatter: "
-             "this rank's chunk), i.e. compute only. T_serial: every collective waited right "
+             "this rank's chunk), i.e. compute only; nothing then makes the ranks wait for "
+             "each other, so an untimed real barrier starts each noop step on all ranks "
+             "together. T_serial: every collective waited right "
              "after it is issued (tools/comm_modes.py). Exposed = T_real - T_noop; overlap "
              "efficiency = (T_serial - T_real) / (T_serial - T_noop), paired per repetition; "
              "speed-up vs none = T_real(none) / T_real, per repetition.",
@@ -397,6 +399,8 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", help="only render, from these result files (comma list)")
     args = ap.parse_args(argv)
     bws = [b.strip() for b in args.bw.split(",") if b.strip()]
+    if args.no_netns:
+        bws = bws[:1]  # loopback: the bandwidth does not apply, one run
     total = int(args.timeout * len(bws)) + 30
     command = (f"flock /tmp/amsp_cpu.lock timeout {total} python -m tools.bench_overlap "
                + shlex.join(argv))

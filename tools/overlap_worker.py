@@ -6,7 +6,9 @@ mode (tools/comm_modes: real, noop, serial). Step times are the intervals betwee
 consecutive step ends, so a collective left in flight by one step (AMSP's post-step
 all-gather) is paid where it is waited, in the next step's forward, exactly as in
 training; the window of timed steps starts with the last warm-up step's all-gather in
-flight and ends with its own in flight (steady state). After the window the optimizer's
+flight and ends with its own in flight (steady state). In noop mode nothing makes the
+ranks wait for each other, so an untimed real barrier starts every step on all ranks
+together (else one rank runs ahead and the others get its share of the cores). After the window the optimizer's
 in-flight all-gather is waited for, the mode goes back to real, and only then do the
 harness's own reductions run (max over ranks of every step time).
 
@@ -129,14 +131,25 @@ def measure(key: str, plan, config: str, mode: str, args, model_args, meshes, wo
     batches = [W.make_batches(s, args, world, rank, model_args.vocab_size) for s in range(total)]
     rec_cm = system.amsp.record_comms() if amsp else None
     rec = None
-    ends, losses = [], []
+    losses = []
     dist.barrier()  # real: nothing of this system is in flight yet
     comm_modes.set_mode(mode)
     try:
-        start = time.perf_counter()
+        starts, ends = [], []
         for s in range(total):
             if s == args.warmup and rec_cm is not None:
                 rec = rec_cm.__enter__()
+            if mode == "noop":
+                # without collectives the ranks never wait for each other: one would run
+                # ahead and the rest would get its share of the 2 cores. A real barrier
+                # (untimed; nothing is in flight in this mode) starts each step together.
+                comm_modes.set_mode("real")
+                dist.barrier()
+                comm_modes.set_mode(mode)
+                starts.append(time.perf_counter())
+            else:
+                # the previous step's end: what it left in flight is paid in this step
+                starts.append(ends[-1] if ends else time.perf_counter())
             losses.append(system.train_step(batches[s]))
             ends.append(time.perf_counter())
         if amsp:
@@ -145,8 +158,7 @@ def measure(key: str, plan, config: str, mode: str, args, model_args, meshes, wo
         if rec is not None:
             rec_cm.__exit__(None, None, None)
         comm_modes.set_mode("real")
-    marks = [start] + ends
-    times = [marks[i + 1] - marks[i] for i in range(args.warmup, total)]
+    times = [ends[i] - starts[i] for i in range(args.warmup, total)]
     blocked = None
     if rec is not None:
         vals = [getattr(e, "blocked_seconds", None) for e in rec.events]
