@@ -8,9 +8,12 @@ AVX2-only CPU), and its best settings for gradient accumulation over M micro-bat
   zero1   ZeroRedundancyOptimizer(AdamW) under the same DDP
   zero3   FSDP2 fully_shard per block + root on the 1-D world mesh (reduce-scatter every
           micro-batch: FSDP2 keeps only sharded grads)
+  zero3_keep  the same with reshard_after_forward=False (gathered blocks kept from forward
+          to backward: no backward all-gather, more memory)
   hsdp    FSDP2 fully_shard on the 2-D mesh (replicate = nodes, shard = ranks of a node),
           set_requires_all_reduce(False) on all but the last micro-batch (the replica
           all-reduce runs once per step)
+  hsdp:<s>  the same with shard groups of s consecutive ranks, replicate = world / s
   hpz     FSDP2 fully_shard on the world mesh, reshard_after_forward = ranks per node
           (ZeRO++ hpZ: backward all-gathers inside the node)
   amsp    amsp_dtensor.fully_shard + AMSPOptimizer with a ShardingPlan, amsp.no_sync;
@@ -35,6 +38,7 @@ SYSTEM_LABELS = {
     "ddp": "DDP",
     "zero1": "ZeRO-1",
     "zero3": "ZeRO-3 (FSDP2)",
+    "zero3_keep": "ZeRO-3 (FSDP2, no reshard after forward)",
     "hsdp": "HSDP (MiCS)",
     "hpz": "hpZ (ZeRO++)",
 }
@@ -284,14 +288,18 @@ class MeshCache:
             self._meshes["world"] = init_device_mesh("cpu", (self.world,), mesh_dim_names=("dp",))
         return self._meshes["world"]
 
-    def hsdp_mesh(self):
+    def hsdp_mesh(self, shard: int | None = None):
+        """(replicate, shard) mesh; shard groups of `shard` consecutive ranks (default:
+        the ranks of a node)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if "hsdp" not in self._meshes:
-            self._meshes["hsdp"] = init_device_mesh(
-                "cpu", (self.world // self.rpn, self.rpn),
+        shard = shard or self.rpn
+        key = "hsdp" if shard == self.rpn else ("hsdp", shard)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh(
+                "cpu", (self.world // shard, shard),
                 mesh_dim_names=("replicate", "shard"))
-        return self._meshes["hsdp"]
+        return self._meshes[key]
 
     def amsp_mesh(self, plan):
         import amsp_dtensor as amsp
@@ -311,10 +319,19 @@ def make_system(key: str, model: nn.Module, lr: float, meshes: MeshCache, plan=N
         return DDPSystem(model, lr, zero1=True)
     if key == "zero3":
         return FSDPSystem(key, model, lr, meshes.world_mesh())
+    if key == "zero3_keep":
+        return FSDPSystem(key, model, lr, meshes.world_mesh(), reshard_after_forward=False)
     if key == "hsdp":
         return FSDPSystem(key, model, lr, meshes.hsdp_mesh(), hsdp=True)
+    if key.startswith("hsdp:"):
+        shard = int(key.split(":", 1)[1])
+        if meshes.world % shard:
+            raise ValueError(f"{key}: shard group size {shard} does not divide the world "
+                             f"({meshes.world} ranks)")
+        return FSDPSystem(key, model, lr, meshes.hsdp_mesh(shard), hsdp=True)
     if key == "hpz":
         return FSDPSystem(key, model, lr, meshes.world_mesh(), reshard_after_forward=meshes.rpn)
     if key.startswith("amsp"):
         return AMSPSystem(model, lr, plan, meshes.amsp_mesh(plan), layout=amsp_layout)
-    raise ValueError(f"unknown system {key!r}; use one of {list(SYSTEM_LABELS)} or amsp:<plan>")
+    raise ValueError(f"unknown system {key!r}; use one of {list(SYSTEM_LABELS)}, hsdp:<shard> "
+                     "or amsp:<plan>")

@@ -79,16 +79,23 @@ def parse_plan(name: str, world: int, rpn: int):
         raise SystemExit(str(e)) from None
 
 
-def planner_choice(args, model_args, world, rpn):
-    """(plan, report dict, note) from amsp_dtensor.cost.planner.choose_plan."""
+def planner_choice(args, model_args, world, rpn, reserve_bytes: int = 0, bandwidth=None):
+    """(plan, report dict, note) from amsp_dtensor.cost.planner.choose_plan.
+    ``reserve_bytes``: memory outside the modelled tensors, added to every plan's estimate
+    (choose_plan's reserve_bytes); ``bandwidth``: choose_plan's time model (e.g. a profile
+    table) instead of alpha-beta at --intra-bw / --inter-bw. Raises NoPlanFits when nothing
+    fits the budget."""
     from amsp_dtensor.cost import AlphaBeta, choose_plan
 
+    if bandwidth is None:
+        bandwidth = AlphaBeta(intra_bw=args.intra_bw, inter_bw=args.inter_bw,
+                              intra_alpha=20e-6, inter_alpha=50e-6)
     common = dict(
         seq_len=args.seq, micro_batch=args.micro_batch,
         micro_batches=args.micro_batches, world_size=world, ranks_per_node=rpn,
-        bandwidth=AlphaBeta(intra_bw=args.intra_bw, inter_bw=args.inter_bw,
-                            intra_alpha=20e-6, inter_alpha=50e-6),
-        mixed_precision="fp32", attention=args.attention, clip=False)
+        bandwidth=bandwidth,
+        mixed_precision="fp32", attention=args.attention, clip=False,
+        reserve_bytes=int(reserve_bytes))
     if str(args.mem_budget_gib) == "hsdp":
         probe = choose_plan(model_args, memory_budget_bytes=2**50, **common)
         budget = probe.baselines["hsdp"].memory.total
@@ -125,11 +132,17 @@ def predicted_bytes(system_key, plan, model, blocks, args, world, rpn):
     if system_key.startswith("amsp"):
         rp = plan
     else:
-        spec = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "zero3": (world,) * 3,
-                "hsdp": (rpn,) * 3, "hpz": (world,) * 3}[system_key]
+        if system_key.startswith("hsdp:"):  # HSDP with another shard-group size
+            spec = (int(system_key.split(":", 1)[1]),) * 3
+        else:
+            spec = {"ddp": (1, 1, 1), "zero1": (1, 1, world), "zero3": (world,) * 3,
+                    "zero3_keep": (world,) * 3, "hsdp": (rpn,) * 3,
+                    "hpz": (world,) * 3}[system_key]
         rp = ShardingPlan(*spec).resolve(world, rpn)
         if system_key == "hpz":
             rs = rpn
+        elif system_key == "zero3_keep":
+            rs = False
     events = predicted_events(rp, units, args.micro_batches, 4, root,
                               reshard_after_forward=rs, clip=False)
     counts = event_counter(events)
@@ -158,6 +171,7 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
     total = args.warmup + args.steps
     state = None
     comm = None
+    waited = None
 
     def grab_state():
         nonlocal state
@@ -173,6 +187,8 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
             t0 = time.perf_counter()
             loss = system.train_step(batches, grab_state if step == args.warmup else None)
             dt = time.perf_counter() - t0
+            # events are recorded when waited: these were waited inside the timed step
+            n_in_step = len(rec.events) if rec is not None else 0
             if recorded and key.startswith("amsp"):
                 # the post-step all-gather normally completes in the next forward; wait
                 # for it here (untimed) so it lands in this step's record
@@ -186,6 +202,12 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
             if rec is not None:
                 comm["recorder"] = rec.bytes_by_locality()
                 comm["recorder_events"] = sorted([list(e.key()) for e in rec.events], key=str)
+                # time this rank's thread waited in collectives (the recorder's
+                # blocked_seconds): inside the timed step, and the post-step all-gather
+                # waited at once after it (in training it overlaps the next forward)
+                blocked = [getattr(e, "blocked_seconds", 0.0) for e in rec.events]
+                waited = {"in_step": sum(blocked[:n_in_step]),
+                          "after_step": sum(blocked[n_in_step:])}
         if step >= args.warmup:
             times.append(dt)
         mem.sample()
@@ -199,12 +221,15 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
     lt = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(lt)
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"peak": mem.peak_delta, "state": state})
+    dist.all_gather_object(per_rank, {"peak": mem.peak_delta, "state": state,
+                                      "waited": waited})
     out = {"system": key if not key.startswith("amsp") else f"amsp:{plan.name}",
            "step_times": t.tolist(), "losses": (lt / world).tolist(),
            "peak_bytes_per_rank": [r["peak"] for r in per_rank],
            "state_bytes_per_rank": [r["state"] for r in per_rank],
            "comm": comm, "predicted": predicted}
+    if any(r["waited"] is not None for r in per_rank):
+        out["waited_s_per_rank"] = [r["waited"] for r in per_rank]
     system.close()
     del system, model
     gc.collect()
