@@ -1,0 +1,257 @@
+"""tools/bench_frontier, tools/frontier_report, tools/frontier_worker: the sweep, the
+frontier's arithmetic and the page, on hand-made results (no processes started)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tools import frontier_report as R
+
+MB = 1e6
+
+
+def _result(config, rep, times, peak, losses, state=10 * MB, inter=0, waited=None):
+    system = config if not config.startswith("amsp") else config
+    r = {"system": system, "config": config, "rep": rep, "step_times": times,
+         "losses": losses, "peak_bytes_per_rank": [peak - 1 * MB, peak, peak - 2 * MB, peak],
+         "state_bytes_per_rank": [{"param": state, "grad": 0, "optim": 0}] * 4,
+         "comm": ({"counted": {"intra": 5, "inter": inter}, "recorder": {"intra": 5,
+                                                                         "inter": inter}}
+                  if rep == 0 else None),
+         "predicted": {"bytes": {"intra": 5, "inter": inter}}}
+    if waited is not None:
+        r["waited_s_per_rank"] = [{"in_step": w, "after_step": 0.01} for w in waited]
+    return r
+
+
+# config -> (step time per rep, peak MB per rep), tokens per step = 1000
+SPEC = {
+    "ddp": ([1.0, 1.0, 1.0], [130, 130, 130]),
+    "zero1": ([1.25, 1.25, 1.25], [96, 96, 96]),
+    "zero3": ([4.0, 5.0, 4.5], [50, 50, 50]),
+    "zero3_keep": ([3.2, 3.2, 3.2], [70, 70, 70]),
+    "hsdp": ([2.0, 2.0, 2.0], [74, 74.5, 74]),
+    "hpz": ([4.0, 4.0, 4.0], [57, 57, 57]),
+    "amsp:p4-g4-os4": ([4.0, 4.0, 4.0], [56, 56, 56]),
+    "amsp:p2-g2-os4": ([2.0, 2.5, 1.0], [73, 73, 73]),
+    "amsp:p1-g1-os2": ([1.0, 1.0, 1.0], [106, 106.0004, 106]),
+}
+
+
+def _data():
+    results = []
+    for rep in range(3):
+        for key, (times, peaks) in SPEC.items():
+            waited = [0.1, 0.3, 0.2, 0.0] if key.startswith("amsp") else None
+            loss = [8.0, 7.5 + (1e-7 if key == "hsdp" else 0.0)]
+            results.append(_result(key, rep, [times[rep]], peaks[rep] * MB, loss,
+                                   waited=waited))
+    meta = {"tokens_per_step": 1000, "nodes": 2, "ranks_per_node": 2, "world": 4,
+            "args": {"reps": 3, "steps": 1, "warmup": 2, "flavor": "debugmodel", "seq": 64,
+                     "micro_batch": 1, "micro_batches": 4},
+            "model": {"params": 6163712}, "machine": "x86_64, 2 CPUs", "link": "tbf 1gbit",
+            "bw": "1gbit between nodes", "link_short": "1gbit", "wall_s": 100.0}
+    return {"meta": meta, "results": results}
+
+
+def _rows():
+    return {r["key"]: r for r in R.summarize(_data())}
+
+
+def test_summary_median_spread_peak_and_waited():
+    rows = _rows()
+    z3 = rows["zero3"]
+    assert z3["tps"] == pytest.approx(1000 / 4.5)  # median of 250, 200, 222.2
+    assert (z3["tps_min"], z3["tps_max"]) == (pytest.approx(200), pytest.approx(250))
+    assert z3["reps"] == 3 and z3["steps"] == 1 and z3["family"] == "zero3"
+    # peak: max over ranks and over repetitions (a cap fits only if every rep fitted)
+    assert rows["hsdp"]["peak"] == 74.5 * MB and rows["hsdp"]["peak_med"] == 74 * MB
+    assert rows["amsp:p2-g2-os4"]["waited"] == pytest.approx(0.3)  # max over ranks
+    assert rows["amsp:p2-g2-os4"]["waited_after"] == pytest.approx(0.01)
+    assert rows["ddp"]["waited"] is None
+    assert [rows[k]["label"] for k in ("zero3_keep", "hsdp", "amsp:p1-g1-os2")] == \
+        ["ZeRO-3 keep", "HSDP shard 2", "AMSP p1-g1-os2"]
+    assert R.config_label("hsdp:4", 2) == "HSDP shard 4" and R.family("hsdp:4") == "mics"
+
+
+def test_caps_are_the_distinct_peaks_or_a_geometric_grid():
+    rows = list(_rows().values())
+    caps = R.select_caps(rows)
+    # 106 and 106.0004 MB are one cap (within 1 kB), the larger; ascending
+    assert [round(c / MB, 1) for c in caps] == [50, 56, 57, 70, 73, 74.5, 96, 106, 130]
+    assert caps[7] == 106.0004 * MB
+    grid = R.select_caps(rows, "grid", n=5)
+    assert grid[0] == 50 * MB and grid[-1] == pytest.approx(130 * MB)
+    assert grid[1] / grid[0] == pytest.approx(grid[2] / grid[1])
+    with pytest.raises(ValueError):
+        R.select_caps(rows, "nope")
+
+
+def test_frontier_best_per_cap_and_ratio():
+    rows = list(_rows().values())
+    fr = {round(f["cap"] / MB, 1): f for f in R.frontier(rows, R.select_caps(rows))}
+    # 50 MB: only ZeRO-3 fits: no AMSP plan
+    assert fr[50]["baseline"]["key"] == "zero3" and fr[50]["ratio"] is None
+    # 73 MB: ZeRO-3 keep (312.5 tok/s) vs AMSP p2-g2-os4 (500): 1.6x; with +5% memory HSDP
+    # (74.5 MB) joins the baselines: 500 / 500
+    assert fr[73]["baseline"]["key"] == "zero3_keep"
+    assert fr[73]["amsp"]["key"] == "amsp:p2-g2-os4"
+    assert fr[73]["ratio"] == pytest.approx(1.6)
+    assert fr[73]["ratio_slack"] == pytest.approx(1.0)
+    # 106 MB: AMSP p1-g1-os2 1000 vs ZeRO-1 800
+    assert fr[106]["ratio"] == pytest.approx(1.25)
+    assert fr[106]["per_family"]["mics"]["key"] == "hsdp"
+    assert fr[130]["baseline"]["key"] == "ddp" and fr[130]["ratio"] == pytest.approx(1.0)
+    # only AMSP fits -> inf
+    only = R.frontier([rows[-1]], [106.1 * MB])[0]
+    assert math.isinf(only["ratio"]) and R._ratio_s(only["ratio"]) == "only AMSP fits"
+
+
+def test_planner_rank_slowdown_and_share():
+    rows = list(_rows().values())
+    caps = R.select_caps(rows)
+    fr = R.frontier(rows, caps)
+    picks = {repr(c): None for c in caps}
+    picks[repr(caps[1])] = "p4-g4-os4"      # 56: the only fitting plan -> rank 1
+    picks[repr(caps[4])] = "p4-g4-os4"      # 73: rank 2 of 2, 500/250 - 1 = 100% slower
+    picks[repr(caps[7])] = "p1-g1-os2"      # 106: rank 1 of 3
+    picks[repr(caps[8])] = "p2-g2-os4"      # 130: rank 2 of 3, 1000/500 - 1
+    picks[repr(caps[3])] = "p1-g1-os2"      # 70: does not fit (106 MB measured)
+    prows = {round(p["cap"] / MB): p for p in R.planner_rows(rows, fr, picks)}
+    assert prows[50]["counted"] is False and "nothing fits" in prows[50]["note"]
+    assert (prows[56]["rank"], prows[56]["of"], prows[56]["slowdown"]) == (1, 1, 0.0)
+    assert prows[73]["rank"] == 2 and prows[73]["slowdown"] == pytest.approx(1.0)
+    assert not prows[73]["within"] and prows[106]["within"]
+    assert prows[130]["slowdown"] == pytest.approx(1.0)
+    assert prows[70]["rank"] is None and "does not fit (measured 106.0 MB)" in prows[70]["note"]
+    assert prows[57]["note"] == "refuses, but a plan fits as measured"
+    good, total = R.planner_share(list(prows.values()))
+    # caps with an AMSP plan: 56, 57, 70, 73, 74.5, 96, 106, 130 -> within: 56, 106
+    assert (good, total) == (2, 8)
+
+
+def test_chart_series_is_each_family_best_under_the_cap():
+    rows = list(_rows().values())
+    series = R.chart_series(rows)
+    xs, ys = series["amsp"]
+    assert xs[0] == 56 and ys[0] == pytest.approx(250)
+    assert ys[xs.index(73)] == pytest.approx(500) and ys[6] == pytest.approx(1000)
+    assert all(b >= a for a, b in zip(ys, ys[1:]))  # a frontier never falls
+    assert xs[-1] == pytest.approx(130 * 1.04) and ys[-1] == ys[-2]
+    assert series["ddp"][0][0] == 130 and set(series) == set(R.FAMILIES)
+
+
+def test_targets_and_analysis_say_met_or_missed_with_numbers():
+    rows = list(_rows().values())
+    fr = R.frontier(rows, R.select_caps(rows))
+    prows = R.planner_rows(rows, fr, {repr(f["cap"]): None for f in fr})
+    loss = R.loss_check(rows)
+    assert loss["max_diff"] == pytest.approx(1e-7) and loss["ok"] and loss["worst"] == "hsdp"
+    text = "\n".join(R.targets(rows, fr, prows, loss))
+    assert "MISSED at 3 of 9 caps" in text  # 50 (no AMSP plan), 70 and 96 MB
+    assert "50.0 MB (no AMSP plan fits; the smallest, AMSP p4-g4-os4, peaks at 56.0 MB" in text
+    assert "70.0 MB (0.80x, short by 0.15x)" in text and "96.0 MB (0.62x" in text
+    assert "AMSP >= 1.5x the best baseline at one cap or more: met at 1 cap(s); highest " \
+           "1.60x at 73.0 MB" in text
+    assert "0 of 8 caps" in text and "MISSED" in text
+    assert "agree within 1e-05" in text
+    why = "\n".join(R.analysis(rows, fr))
+    assert "AMSP p4-g4-os4 peaks at 56.0 MB" in why and "70.0 MB: ZeRO-3 keep" in why
+
+
+def test_section_and_document_keep_other_scales_and_overlap(tmp_path):
+    data = _data()
+    caps = R.select_caps(R.summarize(data))
+    data["planner"] = {"variants": [
+        {"name": "profile", "desc": "table", "picks": {repr(c): "p1-g1-os2" for c in caps}},
+        {"name": "link", "desc": "alpha-beta", "picks": {repr(c): "p2-g2-os4" for c in caps}}],
+        "estimates": {"p1-g1-os2": 100 * MB}, "reserve_bytes": 5 * MB,
+        "reserve_note": "fitted"}
+    sec = R.section(data, "python -m tools.bench_frontier --nodes 2", "frontier_2x2.png")
+    begin, end = R.markers(2, 2)
+    assert sec.startswith(begin) and sec.endswith(end)
+    assert "| 73.0 | ZeRO-3 keep | 312 | AMSP p2-g2-os4 | 500 | 1.60x | 1.00x |" in sec
+    assert "(frontier_2x2.png)" in sec and "100.0" in sec  # the planner's estimate column
+    # per time model: 130 MB: p1-g1-os2 is the fastest (rank 1), p2-g2-os4 rank 2 of 3
+    assert "| 130.0 | p1-g1-os2 (1000 tokens/s) | p1-g1-os2 (1 of 3, +0%) | " \
+           "p2-g2-os4 (2 of 3, +100%) |" in sec
+    assert "The planner with link (alpha-beta): 3 of 8 caps within 10% (38%)" in sec
+    other = "<!-- frontier-4x2:begin -->\n## 4x2, measured before\n<!-- frontier-4x2:end -->"
+    overlap = "<!-- overlap:begin -->\n## Overlap\n| kept | verbatim |\n<!-- overlap:end -->"
+    old = "# old title\n\nold text\n\n" + other + "\n\nstale\n\n" + \
+        sec.replace("500", "499") + "\n\n" + overlap + "\n\ntrailing\n"
+    doc = R.assemble(old, sec, "# Header\n")
+    assert doc.startswith("# Header\n\n" + sec + "\n\n" + other + "\n\n" + overlap)
+    assert "old title" not in doc and "stale" not in doc and doc.count(begin) == 1
+    assert R.sections_of(doc) == {(2, 2): sec, (4, 2): other}
+    # a document with nothing to keep
+    assert R.assemble("", sec, "# H") == "# H\n\n" + sec + "\n"
+
+
+def test_from_json_renders_without_running(tmp_path, monkeypatch):
+    from tools import bench_frontier as B
+
+    data = _data()
+    data["meta"]["command"] = "flock x python -m tools.bench_frontier --nodes 2"
+    src = tmp_path / "frontier_2x2.json"
+    src.write_text(json.dumps(data))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("<!-- overlap:begin -->\nO\n<!-- overlap:end -->\n")
+    monkeypatch.setattr(B, "planner_data", lambda d, reserve=None: {"variants": [
+        {"name": "link", "desc": "test", "picks": {repr(c): "p2-g2-os4" for c in
+                                                   R.select_caps(R.summarize(d))}}],
+        "estimates": {}, "reserve_bytes": 0, "reserve_note": "test"})
+    assert B.main(["--from-json", str(src), "--doc", str(doc),
+                   "--png-dir", str(tmp_path)]) == 0
+    text = doc.read_text()
+    assert text.startswith(B.HEADER.rstrip("\n"))
+    assert "flock x python -m tools.bench_frontier --nodes 2" in text
+    assert text.rstrip().endswith("<!-- overlap:begin -->\nO\n<!-- overlap:end -->")
+    assert (tmp_path / "frontier_2x2.png").stat().st_size > 0
+    assert "(frontier_2x2.png)" in text
+
+
+def test_sweep_covers_every_configuration_and_schedule_cuts():
+    from tools import frontier_worker as F
+
+    assert F.hsdp_shard_sizes(4, 2) == [2] and F.hsdp_shard_sizes(8, 2) == [2, 4]
+    assert F.hsdp_shard_sizes(16, 4) == [2, 4, 8]
+    keys = F.sweep(4, 2)
+    assert keys[:6] == ["ddp", "zero1", "zero3", "zero3_keep", "hsdp", "hpz"]
+    assert len([k for k in keys if k.startswith("amsp:")]) == 9
+    keys8 = F.sweep(8, 2)
+    assert "hsdp:4" in keys8 and len([k for k in keys8 if k.startswith("amsp:")]) == 16
+    runs = F.schedule(["a", "b", "c"], reps=3, steps=2, reps_for={"b": 1},
+                      steps_for={"c": 1})
+    assert runs == [(0, "a", 2), (0, "b", 2), (0, "c", 1), (1, "a", 2), (1, "c", 1),
+                    (2, "a", 2), (2, "c", 1)]
+    with pytest.raises(SystemExit):
+        F.schedule(["a"], 3, 2, {"zz": 1}, {})
+    with pytest.raises(SystemExit):
+        F.parse_counts("zero3=0")
+    assert F.parse_counts("zero3=1, amsp:p4-g4-os4=2") == {"zero3": 1, "amsp:p4-g4-os4": 2}
+    args = F.parse_args(["--out", "x", "--steps-for", "zero3=1", "--reps-for", "hpz=2"])
+    assert (args.warmup, args.steps, args.reps) == (2, 2, 3)
+    again = F.parse_args(F.frontier_argv(args) + ["--out", "x"])
+    for dest in ("steps_for", "reps_for", "configs", "steps", "reps", "plans"):
+        assert getattr(again, dest) == getattr(args, dest), dest
+
+
+def test_dominated_configurations_are_pruned_within_their_system():
+    from tools import frontier_worker as F
+
+    def res(config, step, peak):
+        return {"config": config, "step_times": [step], "peak_bytes_per_rank": [peak, peak]}
+
+    results = [res("zero3", 4.0, 40), res("zero3_keep", 3.0, 50),
+               res("amsp:p1-g4-os4", 2.4, 81), res("amsp:p1-g1-os4", 1.4, 81),
+               res("amsp:p2-g2-os4", 2.4, 69), res("amsp:p1-g8-os8", 2.7, 69),
+               res("hsdp", 2.0, 75), res("zero1", 2.0, 90)]
+    # p1-g4-os4: p1-g1-os4 at the same peak is 1.7x faster; p1-g8-os8: p2-g2-os4 1.125x;
+    # zero1 is only compared with ZeRO-1 configurations, HSDP with HSDP ones
+    assert F.dominated(results, 0.10, 1000) == ["amsp:p1-g4-os4", "amsp:p1-g8-os8"]
+    assert F.dominated(results, 0.20, 1000) == ["amsp:p1-g4-os4"]
+    assert F.dominated(results, 0.0, 1000) == []
