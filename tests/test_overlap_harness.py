@@ -277,6 +277,11 @@ def test_overlap_section_replaced_in_place_and_kept_by_bench_report(tmp_path):
     assert kept == "# new report\n\n" + section + "\n"
     assert bench_report.keep_sections("# new report\n", str(tmp_path / "missing.md")) == \
         "# new report\n"
+    # other tools' marked sections are kept too, in their order
+    other = "<!-- frontier-2x2:begin -->\nF\n<!-- frontier-2x2:end -->"
+    doc.write_text("# old\n\n" + other + "\n\n" + section + "\n\ntail\n")
+    assert bench_report.keep_sections("# new\n", str(doc)) == \
+        "# new\n\n" + other + "\n\n" + section + "\n"
 
 
 def test_options_reach_the_worker_and_schedule():

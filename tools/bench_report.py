@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -298,107 +299,19 @@ per rank just before the optimizer step. Loss = global mean loss of step {K}.
     Path(doc).write_text(keep_sections(text + NOTES, doc))
 
 
-# Sections of docs/benchmarks.md written by other tools (tools/bench_overlap.py), kept when
-# this report rewrites the file: (begin marker, end marker).
-KEPT_SECTIONS = (("<!-- overlap:begin -->", "<!-- overlap:end -->"),)
+# Sections of docs/benchmarks.md written by other tools (tools/bench_overlap.py's
+# "overlap", tools/bench_frontier.py's "frontier-<nodes>x<ranks>"), each between
+# "<!-- NAME:begin -->" and "<!-- NAME:end -->": kept when this report rewrites the file.
+KEPT_SECTION = re.compile(r"<!-- ([\w.-]+):begin -->.*?<!-- \1:end -->", re.S)
 
 
 def keep_sections(text: str, doc: str) -> str:
-    """`text` plus every KEPT_SECTIONS block found in the current `doc` (appended at the
-    end, in their order there, markers included)."""
+    """`text` plus every marked section found in the current `doc` that `text` does not
+    already have (appended at the end, in their order there, markers included)."""
     path = Path(doc)
     old = path.read_text() if path.exists() else ""
-    kept = []
-    for begin, end in KEPT_SECTIONS:
-        i = old.find(begin)
-        j = old.find(end, i + len(begin)) if i >= 0 else -1
-        if i >= 0 and j >= 0 and begin not in text:
-            kept.append((i, old[i:j + len(end)]))
+    kept = [m.group(0) for m in KEPT_SECTION.finditer(old)
+            if f"<!-- {m.group(1)}:begin -->" not in text]
     if not kept:
         return text
-    return text.rstrip("\n") + "\n\n" + "\n\n".join(b for _, b in sorted(kept)) + "\n"
-
-
-NOTES = """
-## How to read this, and why these settings
-
-**Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
-namespace holding a Linux bridge; each node's `eth0` (198.18.0.<i+1>/24, benchmarking range,
-exists only inside the namespaces) is a veth into the bridge. Both ends of every veth are
-shaped with `tbf rate <bw>`: this kernel has no `sch_netem` (only tbf/htb/pfifo), so a link
-*delay* cannot be emulated; `--delay` is accepted, warned about, and not applied. torchrun
-runs in each namespace with `GLOO_SOCKET_IFNAME=eth0`. gloo binds one address per process
-for all peers, but a connection to another rank of the *same* namespace goes to a local
-address, which the kernel routes over that namespace's loopback: it never touches `eth0`
-and is not shaped. Measured with `python -m tools.cluster run --nodes 2 --ranks-per-node 2
---bw 1gbit -- -m tools.cluster.probe --mbytes 16` (gloo send/recv, best of 3): same node
-1080 MB/s with 0.0 MB counted on `eth0`; other node 119.7 MB/s (the 1 Gbit/s line rate)
-with all 48 MB on `eth0`. At 200mbit: 24.4 MB/s inter vs ~1.1-1.4 GB/s intra. So intra-node
-is ~9x faster than inter-node at 1 Gbit/s, and the intra-node "bandwidth" is CPU-bound
-(TCP over loopback on the same 2 cores that compute).
-
-**All fp32.** This CPU (AMD EPYC, Zen 3, AVX2; no AVX512-BF16/AMX) runs the model's
-forward+backward ~20x slower in bf16 than in fp32 (6.4 s vs 0.32 s for 2x256 tokens, one
-thread), which would bury communication under compute. So params, grads, collectives and
-AdamW states are fp32 for every system: bytes on the wire are 4 per element, FSDP2/DDP keep
-16 B/param/s of states (the param is the master), AMSP keeps 4/s_p + 4/s_g + 12/s_os (a
-separate fp32 master in the OS layout, as the engine does in fp32 mode).
-
-**Model and batch.** torchtitan llama3 `debugmodel` (6.16M params), seq 64, one sequence
-per rank per micro-batch, M = 4 micro-batches per step. Compute per step scales with
-params x tokens and communication with params only, so the share of communication is set
-by the tokens per micro-batch, not by the model size: a larger model on 2 shared cores only
-makes every step slower (and the whole interleaved run must stay under 5 minutes). With
-1024 tokens per step, ZeRO-3 spends ~3/4 of its step on the 279 MB of inter-node buffers it
-moves (compare DDP, which moves 25 MB once per step), the regime the paper describes for
-ZeRO-3 at scale. M = 4 is what separates per-micro-batch traffic (ZeRO-3, hpZ, P-sharded
-AG/RS) from once-per-step traffic (DDP, HSDP's replica all-reduce, AMSP's OS sync).
-
-**Link: 1 Gbit/s**, chosen because it makes inter-node traffic the dominant cost of
-the fully sharded systems (above) while DDP's once-per-step 25 MB all-reduce stays cheap.
-
-**Bytes.** Buffer convention of the AMSP recorder (AG output, RS input, AR tensor). AMSP's
-numbers come from `amsp.record_comms`; tools/bench_comm.py independently counts the
-`torch.distributed` calls of every system (it agrees with the recorder for AMSP). The
-"model predicts" column is `amsp_dtensor.cost.comm.predicted_events` for the equivalent
-plan (ZeRO-3 = p4-g4-os4, HSDP = p2-g2-os2, hpZ = p4-g4-os4 with reshard_after_forward=2,
-DDP = p1-g1-os1, ZeRO-1 = p1-g1-os4 whose post-step all-gather has the same bytes as
-ZeroRedundancyOptimizer's broadcasts); "(=)" means the measured intra- and inter-node totals equal it exactly (for AMSP the
-"Targets" section also compares event by event). An
-all-reduce of a buffer and a reduce-scatter + all-gather of the same buffer send the same
-bytes per rank in a ring, so the "MB sent/rank in inter-node groups" column (ring model:
-(n-1)/n of the buffer for AG/RS, 2(n-1)/n for AR, 1 for broadcast) is the fair comparison
-between HSDP's replica all-reduce and AMSP's OS reduce-scatter + all-gather.
-
-**Why AMSP does not beat HSDP by 1.15x here.** On 2 nodes x 2 ranks the planner's plan
-p2-g2-os4 and HSDP (p2-g2-os2) run the same schedule except for who holds the optimizer
-states: the same intra-node all-gather / all-gather / reduce-scatter of P over the 2 ranks
-of a node every micro-batch (279 MB of buffers per step on loopback), and once per step
-12.3 MB sent per rank across nodes (HSDP: all-reduce of its grad shard over 2 replicas;
-AMSP: reduce-scatter of that shard over its 2-rank OS group, then all-gather of the updated
-params). The Adam step over 1/4 instead of 1/2 of the params saves a few ms. Equal bytes,
-equal compute: equal speed, within the repetition spread. AMSP's gain here is memory
-(model states 37.0 vs 49.3 MB per rank, 25% less). The paper's advantage over MiCS appears
-when memory forces MiCS's shard group to span nodes (then its per-micro-batch AG/RS cross
-nodes, i.e. HSDP becomes the ZeRO-3 row above) while AMSP keeps P inside a node and shards
-only OS across nodes; with model states as the budget (second bullet above) that is
-exactly the comparison, and there AMSP is the fastest and moves the fewest inter-node
-bytes. With measured peaks (activations, gathered blocks and allocator slack of a 6M-param
-model), HSDP and AMSP use the same memory.
-
-**Given plan p1-g1-os2** (`--plans`): the planner's first choice when memory is not the
-limit (lowest predicted communication in the candidates table; it does not fit the HSDP
-budget). P and G stay replicated, so there is no per-micro-batch traffic at all; once per
-step it reduce-scatters grads inside the node, all-reduces the OS shard across nodes (the
-same 12.3 MB per rank as HSDP) and all-gathers params inside the node. In the run above it
-is about 2x HSDP and as fast as DDP with less memory than DDP: AMSP's speed advantage
-shows where memory allows a plan HSDP/FSDP cannot express.
-
-**Loss agreement** (to ~1e-7 over 4 steps, fp32 reduction order) shows every system
-trains the same model on the same data with the same sums over ranks and micro-batches. It
-cannot show a wrong *gradient scale*: AdamW's first updates are almost scale-invariant; the
-engine's own tests compare gradients with single-process training.
-
-**Peak memory** is a lower bound sampled at block boundaries (tools/bench_memory.py); the
-per-state bytes come from the tensors themselves (AMSP: `amsp.memory_by_state`).
-"""
+    return text.rstrip("\n") + "\n\n" + "\n\n".join(kept) + "\n"
