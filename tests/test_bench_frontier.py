@@ -141,7 +141,10 @@ def test_chart_series_is_each_family_best_under_the_cap():
     assert ys[xs.index(73)] == pytest.approx(500) and ys[6] == pytest.approx(1000)
     assert all(b >= a for a, b in zip(ys, ys[1:]))  # a frontier never falls
     assert xs[-1] == pytest.approx(130 * 1.04) and ys[-1] == ys[-2]
-    assert series["ddp"][0][0] == 130 and set(series) == set(R.FAMILIES)
+    assert series["ddp"][0][0] == 130 and set(series) == set(R.FAMILIES) | {"baseline"}
+    bx, by = series["baseline"]  # the best baseline: ZeRO-3, hpZ, keep, HSDP, ZeRO-1, DDP
+    assert bx[0] == 50 and [round(y) for y in by[:-1]] == [222, 222, 250, 312, 312, 500, 800,
+                                                          800, 1000]
 
 
 def test_targets_and_analysis_say_met_or_missed_with_numbers():
@@ -153,7 +156,7 @@ def test_targets_and_analysis_say_met_or_missed_with_numbers():
     text = "\n".join(R.targets(rows, fr, prows, loss))
     assert "MISSED at 3 of 9 caps" in text  # 50 (no AMSP plan), 70 and 96 MB
     assert "50.0 MB (no AMSP plan fits; the smallest, AMSP p4-g4-os4, peaks at 56.0 MB" in text
-    assert "70.0 MB (0.80x, short by 0.15x)" in text and "96.0 MB (0.62x" in text
+    assert "70.0 MB (0.800x, short by 0.15x)" in text and "96.0 MB (0.625x" in text
     assert "AMSP >= 1.5x the best baseline at one cap or more: met at 1 cap(s); highest " \
            "1.60x at 73.0 MB" in text
     assert "0 of 8 caps" in text and "MISSED" in text
@@ -255,3 +258,28 @@ def test_dominated_configurations_are_pruned_within_their_system():
     assert F.dominated(results, 0.10, 1000) == ["amsp:p1-g4-os4", "amsp:p1-g8-os8"]
     assert F.dominated(results, 0.20, 1000) == ["amsp:p1-g4-os4"]
     assert F.dominated(results, 0.0, 1000) == []
+
+
+def test_planner_misses_are_explained_by_memory_or_time_model():
+    rows = list(_rows().values())
+    caps = R.select_caps(rows)
+    fr = R.frontier(rows, caps)
+    picks = {repr(c): None for c in caps}
+    picks[repr(caps[4])] = "p4-g4-os4"  # 73 MB: p2-g2-os4 is faster and estimated to fit
+    picks[repr(caps[7])] = "p2-g2-os4"  # 106 MB: p1-g1-os2 estimated at 110 MB > cap
+    prows = R.planner_rows(rows, fr, picks)
+    est = {"p4-g4-os4": 55 * MB, "p2-g2-os4": 70 * MB, "p1-g1-os2": 104 * MB}
+    # with a 6 MB reserve the faster plans are estimated over the cap: memory explains it
+    text = "\n".join(R.planner_analysis(rows, prows, est, reserve=6 * MB))
+    assert "Memory model: at 106.0 MB the fastest fitting plan, p1-g1-os2 (measured " \
+           "106.0 MB), is estimated at 110.0 MB, over the cap" in text
+    assert "at 73.0, 74.5 MB the fastest fitting plan, p2-g2-os4" in text
+    assert "Time model" not in text
+    # without it they fit the planner's model too: its time model ranked them lower
+    lines = R.planner_analysis(rows, prows, est, reserve=0)
+    assert lines[0].startswith("Memory model: measured peak above the planner's estimate + "
+                               "reserve by more than 2 MB for p2-g2-os4 (73.0 vs 70.0 MB), "
+                               "p1-g1-os2 (106.0 vs 104.0 MB)")
+    assert lines[1].startswith("Time model: at 73.0 MB it ranks p4-g4-os4 (250 tokens/s "
+                               "measured") and "above p2-g2-os4 (500 tokens/s" in lines[1]
+    assert len(lines) == 3

@@ -79,15 +79,22 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
                        f"nodes (the {meta['link_rate'] / R.MB:.0f} MB/s link shared by "
                        f"{rpn} ranks), {link.intra_bw / R.MB:.0f} MB/s inside a node",
                        link, True))
+    caps = R.select_caps(rows, data.get("cap_mode", "peaks"))
+    # the measured frontier is the same from one cap up to the next; a cap exactly at a
+    # measured peak leaves the planner's memory model no slack for that plan, so the first
+    # model is also asked at the mid-point of each interval (the largest cap: itself)
+    mids = {repr(c): (c + n) / 2 for c, n in zip(caps, caps[1:])}
     if models:
         name, desc, model, _ = models[0]
         models.append((f"{name}, no reserve", desc + "; reserve 0", model, False))
-    caps = R.select_caps(rows, data.get("cap_mode", "peaks"))
+        models.append((f"{name}, mid-point budgets", desc + "; budget = the mid-point "
+                       "between this cap and the next", model, "mid"))
     variants = []
     for name, desc, model, with_reserve in models:
         picks = {}
         for cap in caps:
-            args.mem_budget_gib = cap / 2**30
+            budget = mids.get(repr(cap), cap) if with_reserve == "mid" else cap
+            args.mem_budget_gib = budget / 2**30
             try:
                 plan, _, _ = W.planner_choice(
                     args, model_args, world, rpn, bandwidth=model,

@@ -245,13 +245,15 @@ def planner_share(prows: list[dict]) -> tuple[int, int]:
 
 
 def chart_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
-    """Each family's frontier as a step line: x = every distinct peak from the family's
-    smallest on (MB), y = its best tokens/s under x; drawn with where='post'."""
+    """Each family's frontier as a step line, and "baseline" = the best of all baselines:
+    x = every distinct peak from the family's smallest on (MB), y = its best tokens/s
+    under x; drawn with where='post'."""
     xs_all = select_caps(rows)
     top = xs_all[-1] if xs_all else 0.0
     out = {}
-    for fam in FAMILIES:
-        mine = [r for r in rows if r["family"] == fam]
+    for fam in FAMILIES + ("baseline",):
+        mine = [r for r in rows if r["family"] == fam
+                or (fam == "baseline" and r["family"] in BASELINE_FAMILIES)]
         if not mine:
             continue
         lo = min(r["peak"] for r in mine)
@@ -270,6 +272,10 @@ def chart(rows: list[dict], meta: dict, png: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 6))
     for fam, (xs, ys) in chart_series(rows).items():
+        if fam == "baseline":
+            ax.step(xs, ys, where="post", color="black", ls="--", lw=1.0, alpha=0.7,
+                    label="best baseline")
+            continue
         ax.step(xs, ys, where="post", color=FAMILY_COLORS[fam], alpha=0.8,
                 lw=2.2 if fam == "amsp" else 1.4, label=f"{FAMILY_LABELS[fam]} frontier")
     for r in rows:
@@ -396,8 +402,8 @@ def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> 
                              f"{f['baseline']['label']} runs {f['baseline']['tps']:.0f} "
                              "tokens/s)")
             else:
-                parts.append(f"{f['cap'] / MB:.1f} MB ({f['ratio']:.2f}x, short by "
-                             f"{TARGET_FLOOR - f['ratio']:.2f}x)")
+                parts.append(f"{f['cap'] / MB:.1f} MB ({f['ratio']:.3f}x, short by "
+                             f"{TARGET_FLOOR - f['ratio']:.2g}x)")
         lines.append(f"AMSP >= {TARGET_FLOOR}x the best baseline at every cap where a "
                      f"baseline fits: MISSED at {len(below)} of {len(with_base)} caps: "
                      + "; ".join(parts) + ".")
@@ -527,6 +533,8 @@ def analysis(rows: list[dict], fr: list[dict]) -> list[str]:
         b, am = f["baseline"], f["amsp"]
         line = (f"{f['cap'] / MB:.1f} MB: {b['label']} {_cfg_facts(b)}; ")
         line += (f"{am['label']} {_cfg_facts(am)}." if am else "no AMSP plan fits.")
+        if am:
+            line += " " + _why(b, am, rows)
         lines.append(line)
     finite = [f for f in fr if f["ratio"] is not None and not math.isinf(f["ratio"])
               and f["baseline"] is not None]
@@ -553,19 +561,49 @@ def planner_analysis(rows: list[dict], prows: list[dict], estimates: dict,
                          f"{n} ({p / MB:.1f} vs {e / MB:.1f} MB)" for n, p, e in under)
                      + "; at caps between the two the planner picks a plan that does not fit.")
     pairs: dict[tuple, list[float]] = {}
+    refused: dict[str, list[float]] = {}
     for p in prows:
-        if p["rank"] is not None and not p["within"]:
-            best = max((r for r in amsp.values() if r["peak"] <= p["cap"]),
-                       key=lambda r: r["tps"])
-            pairs.setdefault((p["pick"], best["key"].split(":", 1)[1]), []).append(p["cap"])
+        if not p["counted"] or p["within"]:
+            continue
+        best = max((r for r in amsp.values() if r["peak"] <= p["cap"]), key=lambda r: r["tps"])
+        name = best["key"].split(":", 1)[1]
+        if name in estimates and estimates[name] + reserve > p["cap"]:
+            refused.setdefault(name, []).append(p["cap"])
+        elif p["rank"] is not None:
+            pairs.setdefault((p["pick"], name), []).append(p["cap"])
+    for name, caps in refused.items():
+        lines.append(
+            f"Memory model: at {', '.join(f'{c / MB:.1f}' for c in caps)} MB the fastest "
+            f"fitting plan, {name} (measured {amsp[name]['peak'] / MB:.1f} MB), is estimated at "
+            f"{(estimates[name] + reserve) / MB:.1f} MB, over the cap, so the planner does not "
+            "consider it.")
     for (pick, best), caps in pairs.items():
         a, b = amsp[pick], amsp[best]
         lines.append(
-            f"Time model: at {', '.join(f'{c / MB:.1f}' for c in caps)} MB it picks {pick} "
-            f"({a['tps']:.0f} tokens/s; {_mb(a['inter'])} MB inter-node, {_mb(a['intra'])} MB "
-            f"intra-node buffers per step) over {best} ({b['tps']:.0f} tokens/s; "
-            f"{_mb(b['inter'])} / {_mb(b['intra'])} MB).")
+            f"Time model: at {', '.join(f'{c / MB:.1f}' for c in caps)} MB it ranks {pick} "
+            f"({a['tps']:.0f} tokens/s measured; {_mb(a['inter'])} MB inter-node, "
+            f"{_mb(a['intra'])} MB intra-node buffers per step) above {best} ({b['tps']:.0f} "
+            f"tokens/s; {_mb(b['inter'])} / {_mb(b['intra'])} MB).")
     return lines
+
+
+def _why(b: dict, am: dict, rows: list[dict]) -> str:
+    """One sentence on what separates a baseline from AMSP's best plan under the same cap."""
+    notes = []
+    if b["tps_min"] <= am["tps_max"] and am["tps_min"] <= b["tps_max"]:
+        notes.append(f"The min-max ranges overlap ({b['tps_min']:.0f}-{b['tps_max']:.0f} vs "
+                     f"{am['tps_min']:.0f}-{am['tps_max']:.0f} tokens/s): not a measured "
+                     "difference")
+    if b["inter"] is not None and am["inter"] is not None and b["inter"] < am["inter"]:
+        what = {"zero3_keep": "it keeps the gathered blocks from forward to backward "
+                              "(reshard_after_forward=False: no backward all-gather; the "
+                              "sweep varies only the plan for AMSP, whose blocks reshard)",
+                "hpz": "its backward all-gathers run inside the node from a secondary "
+                       "parameter copy (ZeRO++ hpZ), which AMSP's plans do not have"}.get(
+                           b["key"], "")
+        notes.append(f"{b['label']} moves {(am['inter'] - b['inter']) / MB:.1f} MB less "
+                     "across nodes per step" + (f": {what}" if what else ""))
+    return ("; ".join(notes) + ".") if notes else ""
 
 
 def _cfg_facts(r: dict) -> str:
