@@ -299,6 +299,14 @@ per rank just before the optimizer step. Loss = global mean loss of step {K}.
     Path(doc).write_text(keep_sections(text + NOTES, doc))
 
 
+# the setup (emulated nodes, fp32, workload, link, byte conventions) is described once, at
+# the top of docs/benchmarks.md (tools/bench_frontier.py writes it)
+NOTES = """
+The setup (emulated nodes, all-fp32, workload, link, byte and memory conventions) is
+described at the top of docs/benchmarks.md.
+"""
+
+
 # Sections of docs/benchmarks.md written by other tools (tools/bench_overlap.py's
 # "overlap", tools/bench_frontier.py's "frontier-<nodes>x<ranks>"), each between
 # "<!-- NAME:begin -->" and "<!-- NAME:end -->": kept when this report rewrites the file.
