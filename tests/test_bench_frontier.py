@@ -19,7 +19,10 @@ def _result(config, rep, times, peak, losses, state=10 * MB, inter=0, waited=Non
          "losses": losses, "peak_bytes_per_rank": [peak - 1 * MB, peak, peak - 2 * MB, peak],
          "state_bytes_per_rank": [{"param": state, "grad": 0, "optim": 0}] * 4,
          "comm": ({"counted": {"intra": 5, "inter": inter}, "recorder": {"intra": 5,
-                                                                         "inter": inter}}
+                                                                         "inter": inter},
+                   "counted_events": [["all_reduce", 2, inter, True, 1]],
+                   "recorder_events": [["reduce_scatter", "os", 2, inter, True, "sync"],
+                                       ["all_gather", "os", 2, inter, True, "step"]]}
                   if rep == 0 else None),
          "predicted": {"bytes": {"intra": 5, "inter": inter}}}
     if waited is not None:
@@ -72,6 +75,14 @@ def test_summary_median_spread_peak_and_waited():
     assert rows["amsp:p2-g2-os4"]["waited"] == pytest.approx(0.3)  # max over ranks
     assert rows["amsp:p2-g2-os4"]["waited_after"] == pytest.approx(0.01)
     assert rows["ddp"]["waited"] is None
+    # ring model: an all-reduce over 2 sends the buffer once, RS + AG half of it twice
+    assert rows["ddp"]["wire"] == rows["amsp:p2-g2-os4"]["wire"] == 0
+    events = {"counted_events": [["all_reduce", 2, 1000, True, 3], ["all_gather", 4, 800, True, 1],
+                                 ["all_gather", 2, 500, False, 9]],
+              "recorder_events": [["reduce_scatter", "os", 2, 1000, True, "sync"],
+                                  ["all_gather", "os", 2, 1000, True, "step"]]}
+    assert R.wire_inter(events, amsp=False) == 3 * 1000 + 600
+    assert R.wire_inter(events, amsp=True) == 1000
     assert [rows[k]["label"] for k in ("zero3_keep", "hsdp", "amsp:p1-g1-os2")] == \
         ["ZeRO-3 keep", "HSDP shard 2", "AMSP p1-g1-os2"]
     assert R.config_label("hsdp:4", 2) == "HSDP shard 4" and R.family("hsdp:4") == "mics"
@@ -283,3 +294,32 @@ def test_planner_misses_are_explained_by_memory_or_time_model():
     assert lines[1].startswith("Time model: at 73.0 MB it ranks p4-g4-os4 (250 tokens/s "
                                "measured") and "above p2-g2-os4 (500 tokens/s" in lines[1]
     assert len(lines) == 3
+
+
+def test_single_budget_report_renders_and_keeps_marked_sections(tmp_path):
+    """tools/bench.py's report (its own file by default now) still renders, and a
+    docs/benchmarks.md it is pointed at keeps the frontier and overlap sections."""
+    from tools import bench_report
+
+    def res(system, rep, t):
+        comm = {"counted": {"intra": 0, "inter": 8}, "counted_events": [
+            ["all_reduce", 4, 8, True, 1]]}
+        if system.startswith("amsp"):
+            comm.update(recorder={"intra": 0, "inter": 8}, recorder_events=[])
+        return {"system": system, "rep": rep, "step_times": [t], "losses": [8.0, 7.9],
+                "peak_bytes_per_rank": [50 * MB] * 4,
+                "state_bytes_per_rank": [{"param": 1, "grad": 1, "optim": 1}] * 4,
+                "comm": comm if rep == 0 else None, "predicted": None}
+
+    meta = {"tokens_per_step": 1000, "amsp_plan": "p2-g2-os4", "machine": "m", "nodes": 2,
+            "ranks_per_node": 2, "link": "l", "model": {"flavor": "debugmodel", "params": 1},
+            "args": {"seq": 64, "micro_batch": 1, "micro_batches": 4, "reps": 2,
+                     "warmup": 2, "steps": 1}, "wall_s": 1.0, "planner_note": "p"}
+    data = {"meta": meta, "results": [res(s, rep, 1.0) for rep in range(2)
+                                      for s in ("zero3", "hsdp", "amsp:p2-g2-os4")]}
+    doc = tmp_path / "benchmarks.md"
+    kept = "<!-- frontier-2x2:begin -->\nF\n<!-- frontier-2x2:end -->"
+    doc.write_text("# old\n\n" + kept + "\n")
+    bench_report.write(data, str(doc), str(tmp_path / "b.png"), "python -m tools.bench")
+    text = doc.read_text()
+    assert "| ZeRO-3 (FSDP2) |" in text and text.rstrip().endswith(kept)

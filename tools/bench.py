@@ -2,7 +2,8 @@
 
 One command builds the emulated nodes (tools/cluster), runs tools/bench_worker on every
 rank (all systems, interleaved, several repetitions), tears the nodes down and writes the
-table, the chart and docs/benchmarks.md:
+table, the chart and a report (runs/bench/benchmarks.md by default: docs/benchmarks.md
+is tools/bench_frontier's sweep of every configuration under every memory cap):
 
     flock /tmp/amsp_cpu.lock timeout 290 python -m tools.bench \
         --nodes 2 --ranks-per-node 2 --bw 1gbit
@@ -40,12 +41,14 @@ def main(argv=None) -> int:
     bench_worker.add_workload_args(ap)
     ap.add_argument("--out-json", default=str(REPO / "runs" / "bench" / "benchmarks.json"),
                     help="raw results (runs/ is git-ignored)")
-    ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
-    ap.add_argument("--png", default=str(REPO / "docs" / "benchmarks.png"))
+    ap.add_argument("--doc", default=str(REPO / "runs" / "bench" / "benchmarks.md"))
+    ap.add_argument("--png", default=str(REPO / "runs" / "bench" / "benchmarks.png"))
     ap.add_argument("--from-json", help="only render the report from this result file")
     args = ap.parse_args(argv)
     command = "python -m tools.bench " + shlex.join(argv)
 
+    Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         bench_report.write(data, args.doc, args.png, data["meta"].get("command", command))

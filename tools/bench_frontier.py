@@ -120,7 +120,7 @@ def _table(profile: dict):
 
 
 # short: every group shape of every plan, the ops the engine issues, fp32, one round
-PROFILE_ARGS = ("--dtype float32 --ops all_gather,reduce_scatter,all_reduce --rounds 1 "
+PROFILE_ARGS = ("--dtype float32 --ops all_gather,reduce_scatter,all_reduce --rounds 1 --max-bytes 4M "
                 "--repeats 3 --target-ms 30")
 
 HEADER = """# Benchmarks: AMSP vs DDP, ZeRO-1, ZeRO-3, MiCS (HSDP) and ZeRO++ hpZ under a memory cap

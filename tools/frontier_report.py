@@ -73,6 +73,27 @@ def _max_waited(per_rank, part: str):
     return max(vals) if vals else None
 
 
+def wire_inter(comm: dict, amsp: bool) -> float | None:
+    """Bytes one rank sends per step in groups that span nodes, ring model ((n-1)/n of the
+    buffer for all-gather / reduce-scatter, 2(n-1)/n for all-reduce): an all-reduce and a
+    reduce-scatter + all-gather of the same buffer send the same bytes."""
+    from amsp_dtensor.cost.comm import ring_factor
+
+    events = comm.get("recorder_events") if amsp else comm.get("counted_events")
+    if events is None:
+        return None
+    total = 0.0
+    for ev in events:
+        if amsp:  # (op, dim, group size, nbytes, inter-node, phase), one per collective
+            op, _dim, n, nbytes, inter, _phase = ev
+            count = 1
+        else:  # (op, group size, nbytes, inter-node, count)
+            op, n, nbytes, inter, count = ev
+        if inter:
+            total += count * nbytes * ring_factor(op, n)
+    return total
+
+
 def summarize(data: dict) -> list[dict]:
     """One row per configuration, in sweep order (see the module docstring)."""
     meta = data["meta"]
@@ -101,6 +122,7 @@ def summarize(data: dict) -> list[dict]:
             "state": max(sum(s.values()) for s in states) if states else None,
             "state_parts": states[0] if states else None,
             "inter": measured.get("inter"), "intra": measured.get("intra"),
+            "wire": wire_inter(comm, amsp),
             "predicted": predicted,
             "match": predicted is not None and predicted == measured,
             "losses": first["losses"],
@@ -359,9 +381,9 @@ def family_table(fr: list[dict]) -> str:
 def config_table(rows: list[dict], estimates: dict) -> str:
     head = ("| configuration | tokens/s median (min-max) | reps x timed steps | step s | "
             "peak MB/rank | planner estimate MB | states MB/rank (P/G/OS) | inter-node "
-            "MB/step | intra-node MB/step | model predicts | AMSP waited s/step | "
-            "loss, last step | max abs loss diff |")
-    lines = [head, "|" + "---|" * 13]
+            "MB/step | MB sent/rank across nodes (ring) | intra-node MB/step | model "
+            "predicts | AMSP waited s/step | loss, last step | max abs loss diff |")
+    lines = [head, "|" + "---|" * 14]
     for r in sorted(rows, key=lambda r: r["peak"]):
         parts = r["state_parts"] or {}
         est = estimates.get(r["key"].split(":", 1)[1]) if r["family"] == "amsp" else None
@@ -375,7 +397,8 @@ def config_table(rows: list[dict], estimates: dict) -> str:
             f"{r['reps']} x {r['steps']} | {r['step_s']:.3f} | {r['peak'] / MB:.1f} | "
             f"{_mb(est)} | {_mb(r['state'])} ({_mb(parts.get('param'))}/"
             f"{_mb(parts.get('grad'))}/{_mb(parts.get('optim'))}) | {_mb(r['inter'])} | "
-            f"{_mb(r['intra'])} | {pred} | {waited} | {r['losses'][-1]:.5f} | "
+            f"{_mb(r['wire'])} | {_mb(r['intra'])} | {pred} | {waited} | "
+            f"{r['losses'][-1]:.5f} | "
             f"{r.get('loss_diff', 0.0):.1e} |")
     return "\n".join(lines)
 
@@ -462,7 +485,12 @@ def section(data: dict, command: str, png_name: str) -> str:
         f"{a['micro_batches']}: {meta['tokens_per_step']} tokens per step; AdamW.",
         f"- {len(rows)} configurations, interleaved in each of {a['reps']} repetitions; "
         f"each rebuilt from the same seed, {a['warmup']} warm-up steps, then {a['steps']} "
-        f"timed steps; {_cut_text(meta, rows)}. Run wall time {meta['wall_s']:.0f} s.",
+        f"timed steps; {_cut_text(meta, rows)}. Run wall time {meta['wall_s']:.0f} s"
+        + (f"; every configuration's process groups were built before the first "
+           f"measurement ({meta['setup']['groups_s']:.0f} s; rank 0 then ran "
+           f"{meta['setup']['threads_rank0']} threads, most of them gloo's per-group "
+           "loops), so all run with the same background" if meta.get("setup") else "")
+        + ".",
         f"- Caps: every distinct measured peak ({len(caps)} caps; between two of them the "
         "frontier does not change).",
     ]
@@ -594,15 +622,19 @@ def _why(b: dict, am: dict, rows: list[dict]) -> str:
         notes.append(f"The min-max ranges overlap ({b['tps_min']:.0f}-{b['tps_max']:.0f} vs "
                      f"{am['tps_min']:.0f}-{am['tps_max']:.0f} tokens/s): not a measured "
                      "difference")
-    if b["inter"] is not None and am["inter"] is not None and b["inter"] < am["inter"]:
+    if b["wire"] is not None and am["wire"] is not None and b["wire"] < am["wire"] - 1e5:
         what = {"zero3_keep": "it keeps the gathered blocks from forward to backward "
                               "(reshard_after_forward=False: no backward all-gather; the "
                               "sweep varies only the plan for AMSP, whose blocks reshard)",
                 "hpz": "its backward all-gathers run inside the node from a secondary "
                        "parameter copy (ZeRO++ hpZ), which AMSP's plans do not have"}.get(
                            b["key"], "")
-        notes.append(f"{b['label']} moves {(am['inter'] - b['inter']) / MB:.1f} MB less "
-                     "across nodes per step" + (f": {what}" if what else ""))
+        notes.append(f"{b['label']} sends {(am['wire'] - b['wire']) / MB:.1f} MB less per "
+                     "rank across nodes per step" + (f": {what}" if what else ""))
+    elif b["wire"] is not None and am["wire"] is not None:
+        notes.append(f"both send {am['wire'] / MB:.1f} MB per rank across nodes per step "
+                     f"({b['wire'] / MB:.1f} for {b['label']}), so the gap is not in the "
+                     "inter-node bytes")
     return ("; ".join(notes) + ".") if notes else ""
 
 
@@ -610,7 +642,8 @@ def _cfg_facts(r: dict) -> str:
     waited = f", waited {r['waited']:.2f} s in collectives" if r["waited"] is not None else ""
     return (f"({r['tps']:.0f} tokens/s, step {r['step_s']:.2f} s{waited}; "
             f"{_mb(r['inter'])} MB inter-node and {_mb(r['intra'])} MB intra-node buffers "
-            f"per step; peak {r['peak'] / MB:.1f} MB, states {_mb(r['state'])} MB)")
+            f"per step, {_mb(r['wire'])} MB sent per rank across nodes; peak "
+            f"{r['peak'] / MB:.1f} MB, states {_mb(r['state'])} MB)")
 
 
 def sections_of(text: str) -> dict[tuple[int, int], str]:
