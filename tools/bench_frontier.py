@@ -154,10 +154,21 @@ system's fastest configuration under the cap is compared:
   over ranks; "(+x)" is the post-step all-gather, waited right after the step (in training
   it overlaps the next forward). The baselines' own code has no such timer.
 - The planner's pick is checked against the measured AMSP plans: its rank among those that
-  fit the cap (by measured tokens/s) and its slowdown vs the fastest of them. The
+  fit the cap (by measured tokens/s) and its slowdown vs the fastest of them. Its time
+  model: a bandwidth profile (`amsp_dtensor.profile`) taken on the same emulated cluster
+  just before the sweep; alpha-beta at the shaped link rate is shown beside it. The
   planner's memory model counts tensors (states, activations, temporaries); the measured
   peak also holds allocator slack and buffers, so each section states the reserve it adds
-  (choose_plan's `reserve_bytes`), fitted on that run, and the picks without it.
+  (choose_plan's `reserve_bytes`, fitted on that run) and the picks without it; and since a
+  cap exactly at a plan's measured peak leaves that plan no slack in the model, also the
+  picks with the budget at the mid-point between the cap and the next.
+
+Commands (one per scale; each takes 7 to 17 minutes here):
+
+```
+flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
+flock /tmp/amsp_cpu.lock timeout 1140 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --steps 1 --prune 0.1 --timeout 1100
+```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
 namespace holding a Linux bridge; each node's `eth0` (198.18.0.<i+1>/24) is a veth into

@@ -338,8 +338,10 @@ def _cut_text(meta: dict, rows: list[dict]) -> str:
     pruned = meta.get("pruned") or []
     fewer = [f"{r['label']} ({r['reps']} rep(s) x {r['steps']} timed step(s))" for r in rows
              if (r["reps"] != a["reps"] and r["key"] not in pruned) or r["steps"] != a["steps"]]
-    return ("every configuration got all repetitions and timed steps" if not fewer else
-            "fewer for " + ", ".join(fewer))
+    if not fewer:
+        return ("apart from the cut below, every configuration got all repetitions and timed "
+                "steps" if pruned else "every configuration got all repetitions and timed steps")
+    return "fewer for " + ", ".join(fewer)
 
 
 def frontier_table(fr: list[dict], prows: list[dict]) -> str:
@@ -485,7 +487,7 @@ def section(data: dict, command: str, png_name: str) -> str:
         f"{a['micro_batches']}: {meta['tokens_per_step']} tokens per step; AdamW.",
         f"- {len(rows)} configurations, interleaved in each of {a['reps']} repetitions; "
         f"each rebuilt from the same seed, {a['warmup']} warm-up steps, then {a['steps']} "
-        f"timed steps; {_cut_text(meta, rows)}. Run wall time {meta['wall_s']:.0f} s"
+        f"timed step(s); {_cut_text(meta, rows)}. Sweep wall time {meta['wall_s']:.0f} s"
         + (f"; every configuration's process groups were built before the first "
            f"measurement ({meta['setup']['groups_s']:.0f} s; rank 0 then ran "
            f"{meta['setup']['threads_rank0']} threads, most of them gloo's per-group "
@@ -632,10 +634,16 @@ def _why(b: dict, am: dict, rows: list[dict]) -> str:
         notes.append(f"{b['label']} sends {(am['wire'] - b['wire']) / MB:.1f} MB less per "
                      "rank across nodes per step" + (f": {what}" if what else ""))
     elif b["wire"] is not None and am["wire"] is not None:
-        notes.append(f"both send {am['wire'] / MB:.1f} MB per rank across nodes per step "
-                     f"({b['wire'] / MB:.1f} for {b['label']}), so the gap is not in the "
-                     "inter-node bytes")
-    return ("; ".join(notes) + ".") if notes else ""
+        same = abs(b["wire"] - am["wire"]) <= 1e5
+        notes.append(
+            (f"both send {am['wire'] / MB:.1f} MB per rank across nodes per step" if same else
+             f"{am['label']} sends {(b['wire'] - am['wire']) / MB:.1f} MB less per rank across "
+             "nodes per step")
+            + f", so the gap is not in the inter-node bytes; {am['label']} moves "
+              f"{_mb(am['intra'])} MB of intra-node buffers per step ({b['label']}: "
+              f"{_mb(b['intra'])} MB), over loopback on the same 2 cores that compute")
+    text = "; ".join(notes)
+    return (text[:1].upper() + text[1:] + ".") if notes else ""
 
 
 def _cfg_facts(r: dict) -> str:
