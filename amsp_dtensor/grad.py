@@ -18,9 +18,10 @@ stage in its own hook; its next stage when the first completes, which is waited 
 next unit's hook (it ran while that unit's backward computed). At the end of backward the
 last units' first stages are completed first, so every remaining stage is issued before
 anything waits on a last stage. The last stage of each unit (the replica all-reduce;
-without replicas, the last unit's reduce-scatter over "g" or "os": earlier units' are
-completed in the hooks, which frees their P-sized inputs) is left in flight after
-``backward()`` returns:
+without replicas, the last unit's reduce-scatter over "os": earlier units' are completed
+in the hooks, which frees their P-sized inputs) is left in flight after ``backward()``
+returns (a reduce-scatter over "g" is completed, since its result still has to be added
+to the accumulated G: two G-sized buffers would otherwise stay alive until the step):
 ``step()`` waits for the units one by one and updates each as soon as its own gradients
 have landed (optim.py), and anything else that needs the gradients (``clip_grad_norm_``,
 ``zero_grad``, the next backward, memory accounting) completes them all first
@@ -151,13 +152,13 @@ def _complete_entry(state: AMSPState, index: int) -> None:
 
 
 def _issues_more(state: AMSPState, entry: InFlight) -> bool:
-    """Whether completing ``entry`` issues another collective (or, under no_sync, ends
-    this backward's work for the unit)."""
-    if entry.stage == "rep_reduce":
-        return False
-    if entry.stage == "g_reduce" and not entry.sync:
+    """Whether ``entry`` is completed at the end of backward: a reduce-scatter over "g"
+    always (its result is added to the accumulated G, so waiting frees one of two G-sized
+    buffers, and on the last backward it issues the sync), an OS reduce-scatter when a
+    replica all-reduce follows it."""
+    if entry.stage == "g_reduce":
         return True
-    return state.info.size("rep") > 1
+    return entry.stage == "os_reduce" and state.info.size("rep") > 1
 
 
 def finish_sync(state: AMSPState) -> None:

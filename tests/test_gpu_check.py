@@ -18,4 +18,4 @@ def _run(*extra):
 def test_gpu_check_cpu_part_passes():
     proc = _run()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "gpu_check: OK (cpu, rank 5 of 16, plan 2,2,8, 5 units)" in proc.stdout
+    assert "gpu_check: OK (cpu, rank 5 of 16, plan 2,2,8, 6 units)" in proc.stdout
