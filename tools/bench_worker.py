@@ -59,14 +59,19 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser()
-    add_workload_args(ap)
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options every worker takes besides the workload (seed, planner inputs, output)."""
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--inter-bw", type=float, default=125e6, help="bytes/s, for the planner")
     ap.add_argument("--attention", default="flash", help="planner's activation model")
     ap.add_argument("--out", required=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    add_run_args(ap)
     return ap.parse_args(argv)
 
 

@@ -93,11 +93,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     W.add_workload_args(ap)
     add_frontier_args(ap)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--inter-bw", type=float, default=125e6, help="bytes/s, for the planner")
-    ap.add_argument("--attention", default="flash", help="planner's activation model")
-    ap.add_argument("--out", required=True)
+    W.add_run_args(ap)
     return ap.parse_args(argv)
 
 
