@@ -273,7 +273,8 @@ def restarted_on_4(tmp_path_factory):
 def test_rank_killed_in_step_3_restarts_from_step_2_with_the_same_curve(saved_on_4, restarted_on_4):
     saved, _ = saved_on_4
     dump, log = restarted_on_4
-    assert "exitcode  : -9" in log or "exitcode: -9" in log, log[-3000:]  # the kill happened
+    # the kill happened (torchrun may name a peer's failure first, so the marker counts)
+    assert "[amsp-test] rank 1 SIGKILLs itself at step 3" in log, log[-3000:]
     assert "checkpoint/step-2" in log and "Training starts at step 3" in log, log[-3000:]
     want, got = _losses(saved), _losses(dump)
     assert sorted(got) == [1, 2, 3, 4]

@@ -20,6 +20,9 @@ def _train_step_or_die(self, data_iterator):
     rank, step = (int(x) for x in os.environ.get("AMSP_TEST_KILL", "-1:-1").split(":"))
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and self.step == step and int(os.environ.get("RANK", "0")) == rank:
+        # said first: torchrun may report a peer's failure (its collective with this rank
+        # reset) before this rank's exit code -9
+        print(f"[amsp-test] rank {rank} SIGKILLs itself at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_step(self, data_iterator)
 
