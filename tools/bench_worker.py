@@ -68,6 +68,19 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", required=True)
 
 
+def machine_facts() -> str:
+    """The machine line every report prints."""
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"torch {torch.__version__}")
+
+
+def write_results(path: str, meta: dict, results: list) -> None:
+    """Rank 0's result file, read back by the report."""
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(f"wrote {path}", flush=True)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
@@ -283,13 +296,10 @@ def main(argv=None) -> int:
             "tokens_per_step": world * args.micro_batch * args.micro_batches * args.seq,
             "planner": planner, "planner_note": note, "amsp_plan": plan.name,
             "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"torch {torch.__version__}",
+            "machine": machine_facts(),
             "wall_s": time.time() - t_start,
         }
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        print(f"wrote {args.out}", flush=True)
+        write_results(args.out, meta, results)
     dist.destroy_process_group()
     return 0
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
 import time
 
 import torch
@@ -195,13 +193,10 @@ def main(argv=None) -> int:
             "tokens_per_step": tokens, "pruned": [k for k in pruned if k != "(none)"],
             "setup": setup,
             "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"torch {torch.__version__}",
+            "machine": W.machine_facts(),
             "wall_s": time.time() - t_start,
         }
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        print(f"wrote {args.out}", flush=True)
+        W.write_results(args.out, meta, results)
     dist.destroy_process_group()
     return 0
 

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import time
 
 import torch
@@ -258,17 +256,14 @@ def main(argv=None) -> int:
             "tokens_per_step": world * args.micro_batch * args.micro_batches * args.seq,
             "planner": planner, "planner_note": note, "amsp_plan": plan.name,
             "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"torch {torch.__version__}",
+            "machine": W.machine_facts(),
             "engine_switches": hasattr(amsp, "set_overlap"),
             "wall_s": time.time() - t_start,
             # 1-minute load average of the machine (this run's 4 ranks count ~4): more
             # means other processes took CPU during the measurements
             "loadavg_start": load_start[0], "loadavg_end": os.getloadavg()[0],
         }
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        print(f"wrote {args.out}", flush=True)
+        W.write_results(args.out, meta, results)
     dist.destroy_process_group()
     return 0
 
