@@ -37,6 +37,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torchtitan.models.llama3.model.model", "Transformer._precompute_freqs_cis"),
     ("torch.cuda", "_sleep"),
     ("torch.distributed.fsdp", "FSDPModule._set_unshard_async_op"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
 )
 
 
@@ -215,6 +216,14 @@ def destroy_process_group_at_exit() -> None:
 
 
 # ---- autograd ------------------------------------------------------------------------
+def torch_dispatch_mode_base() -> type:
+    """The base class of modes that see every aten op (used by tools/bench_memory to
+    sample memory after each op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 def in_backward() -> bool:
     """True while an autograd graph task runs (inside backward)."""
     return torch._C._current_graph_task_id() != -1

@@ -12,12 +12,14 @@ the meta device, sharded with amsp.fully_shard, then materialised (uninitialised
 backend moves no data, so values are meaningless and never read). One optimizer step runs
 (M micro-batches under no_sync but the last, clip_grad_norm_, AMSPOptimizer(AdamW).step)
 inside amsp.record_comms(), and memory_by_state() is read while G accumulates, after the
-last backward and after the step.
+last backward and after the step (the post-step all-gathers land after they are counted).
 
 Reported, each beside the cost model's prediction:
 - every recorded collective as (op, mesh dim, group size, bytes, inter-node, phase) with
   its count, against predicted_events(); with the NCCL model's time per call;
-- P, G (accumulating and synced) and OS bytes of this rank, against state_bytes_of_rank().
+- P, G (accumulating and synced) and OS bytes of this rank, against state_bytes_of_rank();
+- the buffers the step leaves alive beside P and OS (synced G, post-step all-gathers,
+  read before they land), against cost.memory.step_bytes().
 Exit status 0 when both match exactly, 1 when they differ, 2 on bad input (one line).
 """
 
@@ -94,9 +96,10 @@ def simulate_plan(args, plan_name: str) -> dict:
     import amsp_dtensor as amsp
     from amsp_dtensor import compat
     from amsp_dtensor.cost.comm import event_counter, predicted_events, recorded_counter
-    from amsp_dtensor.cost.memory import DTYPE_BYTES, state_bytes_of_rank
+    from amsp_dtensor.cost.memory import DTYPE_BYTES, state_bytes_of_rank, step_bytes
     from amsp_dtensor.cost.models import from_torchtitan_args
     from amsp_dtensor.cost.nccl import NcclModel
+    from amsp_dtensor.observe.memory import step_buffer_bytes
 
     t0 = time.perf_counter()
     W, R, rank = args.gpus, args.gpus_per_node, args.rank
@@ -117,7 +120,10 @@ def simulate_plan(args, plan_name: str) -> dict:
         amsp.fully_shard(model, mesh=mesh, plan=plan)
         model.to_empty(device="cpu")
         compat.recompute_rope_table(model)  # the complex RoPE table
-        optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-4)
+        # the post-step all-gathers stay in flight after step(), so the buffers the step
+        # leaves alive can be read before they land (the schedule is the same)
+        optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-4,
+                                   overlap_param_update=True)
         M, b, s = args.micro_batches, args.micro_batch, args.seq_len
         measured = {}
         with amsp.record_comms() as rec:
@@ -132,8 +138,8 @@ def simulate_plan(args, plan_name: str) -> dict:
             measured["grad_synced"] = amsp.memory_by_state(model)["grad"]
             optim.clip_grad_norm_(1.0)
             optim.step()
-            wait = getattr(optim, "wait_param_update", None) or optim.finish_param_sync
-            wait()
+            step_buffers = step_buffer_bytes(model)
+            optim.wait_param_update()
         after = amsp.memory_by_state(model, optim)
         measured["param"], measured["optim"] = after["param"], after["optim"]
         seconds = time.perf_counter() - t0
@@ -162,6 +168,8 @@ def simulate_plan(args, plan_name: str) -> dict:
     if "grad_accumulating" in measured:
         predicted_states["grad_accumulating"] = accum.grad
     states_equal = all(measured[k] == v for k, v in predicted_states.items())
+    step_model = step_bytes(shape, rp, args.precision, clip=True)
+    predicted_step = {"synced_grad": step_model.synced_grad, "gather": step_model.gather}
     return {
         "plan": rp.name, "model": args.model, "world_size": W, "ranks_per_node": R,
         "rank": rank, "layers": args.layers, "seq_len": s, "micro_batch": b,
@@ -171,7 +179,9 @@ def simulate_plan(args, plan_name: str) -> dict:
         "collectives_equal": want == got,
         "kinds": _merge(rows), "unexpected": unexpected,
         "state_bytes": {"measured": measured, "predicted": predicted_states},
-        "states_equal": states_equal, "seconds": seconds,
+        "states_equal": states_equal,
+        "step_buffer_bytes": {"measured": step_buffers, "predicted": predicted_step},
+        "step_buffers_equal": step_buffers == predicted_step, "seconds": seconds,
     }
 
 
@@ -212,6 +222,10 @@ def render(rep: dict) -> str:
     for k in pred:
         lines.append(f" {k:<18} recorded {meas[k]:>15,} B ({meas[k] / GB:8.3f} GB)  "
                      f"model {pred[k]:>15,} B  {'equal' if meas[k] == pred[k] else 'DIFFERENT'}")
+    meas, pred = rep["step_buffer_bytes"]["measured"], rep["step_buffer_bytes"]["predicted"]
+    for k in pred:
+        lines.append(f" after step: {k:<11} recorded {meas[k]:>15,} B  model {pred[k]:>15,} B  "
+                     f"{'equal' if meas[k] == pred[k] else 'DIFFERENT'}")
     return "\n".join(lines)
 
 
@@ -233,7 +247,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)
-    ok = all(r["collectives_equal"] and r["states_equal"] for r in reports)
+    ok = all(r["collectives_equal"] and r["states_equal"] and r["step_buffers_equal"]
+             for r in reports)
     return 0 if ok else 1
 
 

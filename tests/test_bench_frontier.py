@@ -323,3 +323,90 @@ def test_single_budget_report_renders_and_keeps_marked_sections(tmp_path):
     bench_report.write(data, str(doc), str(tmp_path / "b.png"), "python -m tools.bench")
     text = doc.read_text()
     assert "| ZeRO-3 (FSDP2) |" in text and text.rstrip().endswith(kept)
+
+
+def test_peak_memory_samples_the_head_the_backwards_and_the_step(monkeypatch):
+    """The bench's peak is sampled at every block boundary, at the output head (logits,
+    loss gradient), after every backward and after the optimizer step before zero_grad:
+    a spike that lives only at one of those points is caught."""
+    import torch
+    import torch.nn as nn
+
+    from tools import bench_memory as BM
+    from tools import bench_systems as S
+
+    phase = {"now": None}
+
+    def fake_in_use() -> int:  # 1 GB alive only between the step and zero_grad
+        return 10**9 if phase["now"] == "step" else 0
+
+    monkeypatch.setattr(BM, "in_use_bytes", fake_in_use)
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": nn.Linear(4, 4)})
+            self.output = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.output(self.layers["0"](x))
+
+    model = Tiny()
+    mem = BM.PeakMemory()
+    samples = []
+    orig = mem.sample
+
+    def counting(*a, **k):
+        samples.append(phase["now"])
+        orig()
+
+    mem.sample = counting
+    mem.attach([model.layers["0"]], head=model.output)
+
+    class Opt:
+        def step(self):
+            phase["now"] = "step"
+
+        def zero_grad(self, set_to_none=True):
+            phase["now"] = None
+
+    system = S.System()
+    system.model, system.optim = model, Opt()
+    monkeypatch.setattr(S, "lm_loss", lambda m, t, l: m(t).float().pow(2).mean())
+    batches = [(torch.randn(2, 4), None), (torch.randn(2, 4), None)]
+    system.train_step(batches, probe=mem.sample)
+    # block: fwd in/out + bwd entry; head: the same; 2 micro-batches; + 2 backwards + step
+    assert len(samples) == 2 * (3 + 3) + 2 + 1
+    assert samples[-1] == "step"  # the step's sample is taken before zero_grad
+    assert mem.peak_delta == 10**9  # the spike alive only inside the step was caught
+
+
+def test_every_op_samples_after_each_op_forward_and_backward(monkeypatch):
+    """Inside ``every_op()`` memory is sampled after every aten op, so a tensor that lives
+    only between two ops (never at a hook point) sets the peak."""
+    import torch
+
+    from tools import bench_memory as BM
+
+    live = {"bytes": 0}
+    monkeypatch.setattr(BM, "in_use_bytes", lambda: live["bytes"])
+    mem = BM.PeakMemory()
+    calls = []
+    orig = mem.sample
+
+    def counting(*a, **k):
+        calls.append(live["bytes"])
+        orig()
+
+    mem.sample = counting
+    x = torch.randn(8, 8, requires_grad=True)
+    with mem.every_op():
+        live["bytes"] = 123  # alive only while the next ops run
+        y = (x @ x).relu().sum()
+        live["bytes"] = 0
+        y.backward()
+    assert len(calls) >= 6  # matmul, relu, sum forward; their backward ops
+    assert mem.peak_delta == 123
+    calls.clear()
+    (x * 2).sum().backward()  # outside the block: no sampling
+    assert calls == []

@@ -133,10 +133,17 @@ def test_reduce_dtype_reserve_and_fused_norm():
     base = estimate_memory(m, rp, 256, 2)
     red = estimate_memory(m, rp, 256, 2, reduce_dtype="fp32", reserve_bytes=3 << 30)
     assert red.reserve == 3 << 30
-    big_unit = max(padded for padded in (
-        sum(-(-s[0] // 2) * 2 * (s[1] if len(s) > 1 else 1) for s in u) for u in units))
-    # G doubles; the unit's unsharded grads gain a 4-byte copy for the reduce-scatter
-    assert red.total - base.total == (3 << 30) + bf16.grad + 4 * big_unit
+    biggest = max(units, key=lambda u: sum(-(-s[0] // 2) * 2 * (s[1] if len(s) > 1 else 1)
+                                           for s in u))
+    cols = [s[1] if len(s) > 1 else 1 for s in biggest]
+    caps = [-(-s[0] // 2) for s in biggest]  # P-shard rows (s_p = 2)
+    big_unit = sum(2 * c * k for c, k in zip(caps, cols))  # the unsharded unit
+    hook_in = sum(c * k for c, k in zip(caps, cols))  # P_u
+    g_out = sum(-(-c // 2) * k for c, k in zip(caps, cols))  # G_u (k_g = 2)
+    # G doubles; the unit's unsharded grads gain a 4-byte copy for the reduce-scatter, and
+    # the hook's buffers (P_u, its packed copy 2*G_u and the output G_u) go 2 -> 4 bytes
+    assert red.total - base.total == (3 << 30) + bf16.grad + 4 * big_unit + 2 * (
+        hook_in + 2 * g_out + g_out)
     fused = estimate_memory(m, rp, 256, 2, norm="fused")
     h, L, tokens = m.dim, m.n_layers, 256 * 2
     per_norm = (4 * h + 4 * h + 4 + 2 * h) - (2 * h + 4 + 2 * h)
@@ -146,3 +153,64 @@ def test_reduce_dtype_reserve_and_fused_norm():
     ev4 = predicted_events(rp, units, 2, 2, m.root_unit_index, reduce_dtype_bytes=4)
     for a, b in zip(ev2, ev4):
         assert b.nbytes == (2 * a.nbytes if a.op != "all_gather" else a.nbytes), (a, b)
+
+
+def test_step_bytes_by_hand():
+    from amsp_dtensor.cost.memory import estimate_memory, step_bytes
+
+    m = MODELS["llama_7b"]  # every dim0 divides 8: phi/s exactly
+    phi = m.num_params
+    rp = ShardingPlan(1, 1, 8).resolve(64, 8)  # k_g = 1, k_os = 8
+    unit_os = [sum((s[0] // 8) * (s[1] if len(s) > 1 else 1) for s in u)
+               for u in m.unit_param_shapes()]
+    sb = step_bytes(m, rp, "bf16")
+    assert sb.synced_grad == 2 * phi // 8  # synced G is the OS shard (bf16)
+    assert sb.gather == 2 * (1 + 8) * phi // 8  # send buffer + output, every unit
+    assert sb.scratch == 0  # one unit's work (8*OS_u) is less than its send (18*OS_u)
+    assert sb.staging == 0
+    gloo = step_bytes(m, rp, "bf16", backend="gloo")
+    two_largest = sorted((2 * 8 * o for o in unit_os), reverse=True)[:2]
+    assert gloo.staging == sum(two_largest)
+    # s_os = s_p: no all-gather; the scratch of the largest unit (fp32 grad + temporary)
+    same = step_bytes(m, ShardingPlan(8, 8, 8).resolve(64, 8), "bf16")
+    assert same.gather == 0 and same.scratch == 8 * max(unit_os)
+    assert same.synced_grad == 2 * phi // 8
+    # clip builds every fp32 master grad first
+    clipped = step_bytes(m, ShardingPlan(8, 8, 8).resolve(64, 8), "bf16", clip=True)
+    assert clipped.scratch == 4 * phi // 8 + 4 * max(unit_os)
+    # the estimate takes the larger phase; with activations the backward one wins here
+    est = estimate_memory(m, rp, 4096, 1, "bf16")
+    assert est.step == sb.total
+    assert est.total == max(est.states.total + est.activations + est.temp,
+                            est.states.param + est.states.optim + sb.total)
+    assert est.peak_phase == "backward"
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        step_bytes(m, rp, "bf16", backend="mpi")
+
+
+def test_temp_bytes_follow_the_unit_kept_unsharded_in_each_layout():
+    import dataclasses
+
+    from amsp_dtensor.cost.memory import temp_bytes
+
+    blocks = MODELS["llama3_debugmodel"]
+    titan = dataclasses.replace(blocks, layout="titan")
+    rp = ShardingPlan(2, 2, 2).resolve(4, 2)
+    e, seq, mb = 4, 64, 1
+    d, V = blocks.dim, blocks.vocab_size
+    block = [p.shape for p in blocks.block_params()]
+    padded_block = padded_numel(block, 2)
+    loss_grad = seq * mb * (4 + e) * V
+    # hook input P_u of the largest unit, k_g = 1: nothing packed
+    # "blocks": the root (embeddings, norm, output) stays gathered and is the largest unit
+    root = [(V, d), (d,), (V, d)]
+    want = e * (2 * padded_block + padded_numel(root, 2))  # gathered
+    want += e * padded_numel(root, 2) + e * shard_numel(root, 2)  # its grads + hook input
+    assert temp_bytes(blocks, rp, seq, mb, "fp32") == want + loss_grad
+    # "titan": [norm, output] stays gathered; the largest unit is a block
+    norm_output = [(d,), (V, d)]
+    resharded = max((block, [(V, d)]), key=lambda u: padded_numel(u, 2))  # emb or a block
+    largest = max((block, norm_output, [(V, d)]), key=lambda u: padded_numel(u, 2))
+    want = e * (2 * padded_numel(resharded, 2) + padded_numel(norm_output, 2))
+    want += e * padded_numel(largest, 2) + e * shard_numel(largest, 2)
+    assert temp_bytes(titan, rp, seq, mb, "fp32") == want + loss_grad

@@ -1,6 +1,7 @@
 """`python -m amsp_dtensor.simulate` at 64 ranks (8 per node) on torch's fake backend:
 the real engine's recorded collectives and state bytes equal the cost model's, exactly."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from amsp_dtensor.cost.comm import predicted_events
-from amsp_dtensor.cost.memory import state_bytes_of_rank
+from amsp_dtensor.cost.memory import state_bytes_of_rank, step_bytes
 from amsp_dtensor.cost.models import MODELS
 from amsp_dtensor.plan import ShardingPlan
 from amsp_dtensor.simulate import main
@@ -47,6 +48,12 @@ def test_collectives_and_state_bytes_equal_the_model(reports, plan):
         "param": synced.param, "optim": synced.optim, "grad_synced": synced.grad,
         "grad_accumulating": accum.grad}
     assert rep["states_equal"]
+    # the buffers the step leaves alive beside P and OS: synced G and post-step all-gathers
+    two_layers = dataclasses.replace(shape, n_layers=2)
+    step = step_bytes(two_layers, rp, "bf16", clip=True)
+    assert rep["step_buffer_bytes"]["measured"] == {
+        "synced_grad": step.synced_grad, "gather": step.gather}
+    assert rep["step_buffers_equal"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -117,8 +117,10 @@ def test_cli_json(capsys):
     chosen = data["chosen"]
     mem = chosen["memory_bytes"]
     assert mem["reserve"] == 5 * GiB
-    assert mem["total"] == (mem["param"] + mem["grad"] + mem["optim"] + mem["activations"]
-                            + mem["temp"] + mem["reserve"])
+    backward = mem["param"] + mem["grad"] + mem["optim"] + mem["activations"] + mem["temp"]
+    step = mem["param"] + mem["optim"] + mem["step"]
+    assert mem["total"] == max(backward, step) + mem["reserve"]
+    assert mem["peak_phase"] == ("step" if step > backward else "backward")
     for key in ("bytes_intra", "bytes_inter", "wire_bytes_intra", "wire_bytes_inter",
                 "node_nic_bytes", "comm_seconds", "step_seconds"):
         assert chosen[key] >= 0, key

@@ -36,11 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
-    """The planner beside the measurement: its memory estimate of every AMSP plan, the
-    reserve (median over the measured AMSP plans of measured peak - estimate, at least 0,
-    unless given), and its pick at every cap for each time model: the profile table of
-    this cluster when the run has one (data["profile"]), alpha-beta at the shaped link
-    rate, and the first of these without the reserve."""
+    """The planner beside the measurement: its memory estimate of every AMSP plan, and its
+    pick at every cap for each time model: the profile table of this cluster when the run
+    has one (data["profile"]), alpha-beta at the shaped link rate, and the first of these
+    with a fitted reserve and with mid-point budgets.
+
+    The reserve (choose_plan's ``reserve_bytes``) is 0 unless given: a peak here is
+    measured above the in-use bytes before the system is built, so the process's runtime,
+    which a reserve stands for, is outside it by construction (as in the planner's CPU
+    validation). The fitted variant adds the median over the measured AMSP plans of
+    measured peak - estimate (at least 0), to show what a calibrated reserve would do."""
     from amsp_dtensor.cost import AlphaBeta
     from amsp_dtensor.cost.planner import NoPlanFits
     from tools import bench_systems as S
@@ -56,49 +61,52 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
     rows = R.summarize(data)
     gaps = [r["peak"] - estimates[r["key"].split(":", 1)[1]] for r in rows
             if r["family"] == "amsp" and r["key"].split(":", 1)[1] in estimates]
-    if reserve_bytes is None:
-        med = statistics.median(gaps) if gaps else 0.0
-        reserve_bytes = max(0.0, med)
-        note = (f"fitted: the median over the {len(gaps)} AMSP plans of measured peak - the "
+    med = statistics.median(gaps) if gaps else 0.0
+    fitted = max(0.0, med)
+    gap_note = (f"the median over the {len(gaps)} AMSP plans of measured peak - the "
                 f"planner's estimate is {med / R.MB:.1f} MB (range {min(gaps) / R.MB:.1f} to "
                 f"{max(gaps) / R.MB:.1f} MB)" if gaps else "no AMSP plan measured")
-        if med < 0:
-            note += ", so 0"
+    if reserve_bytes is None:
+        reserve_bytes = 0.0
+        note = ("0: the peaks are measured above the in-use bytes before each system is "
+                "built, so the runtime a reserve stands for is outside them; " + gap_note)
     else:
-        note = "given with --planner-reserve-mb"
+        note = "given with --planner-reserve-mb; " + gap_note
     # alpha-beta's inter_bw is one rank's share of its node's link (cost/comm.py)
     link = AlphaBeta(intra_bw=args.intra_bw, inter_bw=meta["link_rate"] / rpn,
                      intra_alpha=20e-6, inter_alpha=50e-6) if meta.get("link_rate") else None
-    models = []
+    models = []  # (name, description, time model, reserve, budget rule)
     if data.get("profile"):
         table = _table(data["profile"])
         models.append(("profile", "the profile table of this cluster "
-                       "(amsp_dtensor.profile, run on it before the sweep)", table, True))
+                       "(amsp_dtensor.profile, run on it before the sweep)", table,
+                       reserve_bytes, "cap"))
     if link is not None:
         models.append(("link", f"alpha-beta: {link.inter_bw / R.MB:.1f} MB/s per rank across "
                        f"nodes (the {meta['link_rate'] / R.MB:.0f} MB/s link shared by "
                        f"{rpn} ranks), {link.intra_bw / R.MB:.0f} MB/s inside a node",
-                       link, True))
+                       link, reserve_bytes, "cap"))
     caps = R.select_caps(rows, data.get("cap_mode", "peaks"))
     # the measured frontier is the same from one cap up to the next; a cap exactly at a
     # measured peak leaves the planner's memory model no slack for that plan, so the first
     # model is also asked at the mid-point of each interval (the largest cap: itself)
     mids = {repr(c): (c + n) / 2 for c, n in zip(caps, caps[1:])}
     if models:
-        name, desc, model, _ = models[0]
-        models.append((f"{name}, no reserve", desc + "; reserve 0", model, False))
+        name, desc, model, _, _ = models[0]
+        models.append((f"{name}, fitted reserve", desc + f"; reserve {fitted / R.MB:.1f} MB "
+                       "(the median gap, at least 0)", model, fitted, "cap"))
         models.append((f"{name}, mid-point budgets", desc + "; budget = the mid-point "
-                       "between this cap and the next", model, "mid"))
+                       "between this cap and the next", model, reserve_bytes, "mid"))
     variants = []
-    for name, desc, model, with_reserve in models:
+    for name, desc, model, reserve, rule in models:
         picks = {}
         for cap in caps:
-            budget = mids.get(repr(cap), cap) if with_reserve == "mid" else cap
+            budget = mids.get(repr(cap), cap) if rule == "mid" else cap
             args.mem_budget_gib = budget / 2**30
             try:
                 plan, _, _ = W.planner_choice(
                     args, model_args, world, rpn, bandwidth=model,
-                    reserve_bytes=int(reserve_bytes) if with_reserve else 0)
+                    reserve_bytes=int(reserve))
                 picks[repr(cap)] = plan.name
             except NoPlanFits:
                 picks[repr(cap)] = None
@@ -145,9 +153,15 @@ system's fastest configuration under the cap is compared:
   allows it, explicit prefetch of the next block, the same AdamW, data and seed).
 - Tokens/s = tokens per step / timed step time (each step the max over ranks), median and
   min-max over the repetitions (configurations interleaved in each). Peak memory per rank
-  = glibc malloc bytes in use at block boundaries minus before the build
-  (tools/bench_memory.py), max over ranks and repetitions: a configuration fits a cap when
-  its peak is at or under it. The caps are the distinct measured peaks; each system's
+  = glibc malloc bytes in use minus before the build, sampled at every block boundary, at
+  the output head, after every backward and after the optimizer step before `zero_grad`,
+  and in the warm-up steps (untimed) after every aten op (tools/bench_memory.py), max over
+  ranks and repetitions. With one warm-up step (the 4x2 command) the per-op samples see
+  only the first step, whose backward runs before the optimizer's states exist, so at that
+  scale the steady-state backward peak is the coarser samples' (a lower bound: at 2x2,
+  p1-g1-os1 peaked at 133.6 MB in a run sampled at the coarse points only, and at 139.6 MB
+  with per-op samples in its second warm-up step). A configuration fits a cap when its peak
+  is at or under it. The caps are the distinct measured peaks; each system's
   frontier is a step function of the cap, drawn in the chart of each section.
 - "AMSP waited s/step" = sum of the time the issuing thread of a rank waited in the
   collectives of the recorded timed step (`amsp.record_comms`, `blocked_seconds`), max
@@ -157,17 +171,20 @@ system's fastest configuration under the cap is compared:
   fit the cap (by measured tokens/s) and its slowdown vs the fastest of them. Its time
   model: a bandwidth profile (`amsp_dtensor.profile`) taken on the same emulated cluster
   just before the sweep; alpha-beta at the shaped link rate is shown beside it. The
-  planner's memory model counts tensors (states, activations, temporaries); the measured
-  peak also holds allocator slack and buffers, so each section states the reserve it adds
-  (choose_plan's `reserve_bytes`, fitted on that run) and the picks without it; and since a
-  cap exactly at a plan's measured peak leaves that plan no slack in the model, also the
-  picks with the budget at the mid-point between the cap and the next.
+  planner's memory model counts tensors (states, activations, temporaries in backward; the
+  optimizer step's buffers, with gloo's staging copies: `backend="gloo"`), for torchtitan's
+  units as the workers cut them. Its reserve (choose_plan's `reserve_bytes`) is 0: the
+  peaks are measured above the in-use bytes before each system is built, so the runtime a
+  reserve stands for is outside them. Each section also shows the picks with a reserve
+  fitted on that run (the median of measured peak - estimate), and, since a cap exactly
+  at a plan's measured peak leaves that plan no slack in the model, with the budget at the
+  mid-point between the cap and the next.
 
-Commands (one per scale; each takes 7 to 17 minutes here):
+Commands (one per scale; each takes 7 to 15 minutes here):
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
-flock /tmp/amsp_cpu.lock timeout 1140 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --steps 1 --prune 0.1 --timeout 1100
+flock /tmp/amsp_cpu.lock timeout 1100 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --prune 0.1 --timeout 1000
 ```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
@@ -240,7 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-args", default=PROFILE_ARGS,
                     help="options of amsp_dtensor.profile for that run")
     ap.add_argument("--planner-reserve-mb", type=float, default=None,
-                    help="the planner's reserve; default: fitted on the run (see the doc)")
+                    help="the planner's reserve (default 0: the peaks exclude the runtime; "
+                         "a fitted one is shown as a variant)")
     ap.add_argument("--out-json", default=None,
                     help="raw results (default runs/frontier/frontier_<N>x<R>.json)")
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))

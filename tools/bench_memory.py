@@ -5,15 +5,21 @@ is useless when several systems run one after another in one process (freed memo
 mapped). glibc's ``mallinfo2()`` gives the bytes in use right now (``uordblks`` from the
 arenas + ``hblkhd`` from mmap, which is where big tensors live), over all arenas. We sample
 it at every transformer block's forward entry/exit and backward entry (a hook on the
-block's output grad), and after the
-optimizer step: the high-water mark of those samples minus the in-use bytes before the
-system was built is the system's peak (model states + activations + gathered params + comm
-buffers). A sample between two hook points can miss a short spike inside one block, so
+block's output grad), at the output head's forward exit (the logits) and backward entry
+(the loss gradient), at the end of every micro-batch's backward, and at the end of the
+optimizer step before ``zero_grad`` (gradients, optimizer scratch and the post-step
+all-gathers are all alive there): the high-water mark of those samples minus the in-use
+bytes before the system was built is the system's peak (model states + activations +
+gathered params + comm buffers). Inside ``every_op()`` (the workers' untimed warm-up
+steps) it is also sampled after every aten op, forward, backward and optimizer step
+alike, which catches the transients between those points (a unit's unsharded
+gradients, FSDP2's reduce-scatter buffers, the logits' gradient). A sample between two hook points can miss a short spike inside one block, so
 this is a lower bound on the true peak, taken the same way for every system.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 
@@ -47,8 +53,9 @@ class PeakMemory:
         if now > self.peak:
             self.peak = now
 
-    def attach(self, blocks) -> None:
-        for block in blocks:
+    def attach(self, blocks, head=None) -> None:
+        """Sample around every block, and around ``head`` (the output projection)."""
+        for block in [*blocks, *([head] if head is not None else [])]:
             self._handles.append(block.register_forward_pre_hook(lambda *a: self.sample()))
             self._handles.append(block.register_forward_hook(self._after_forward))
 
@@ -58,6 +65,23 @@ class PeakMemory:
         # FSDP2's own backward hooks on the module are left alone)
         if getattr(output, "requires_grad", False):
             output.register_hook(lambda grad: self.sample())
+
+    @contextlib.contextmanager
+    def every_op(self):
+        """Also sample after every aten op dispatched inside the block (on this thread
+        and the autograd engine's, which inherits the mode)."""
+        from amsp_dtensor import compat
+
+        sample = self.sample
+
+        class _SampleAfterEachOp(compat.torch_dispatch_mode_base()):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                sample()
+                return out
+
+        with _SampleAfterEachOp():
+            yield
 
     def reset_peak(self) -> None:
         self.peak = in_use_bytes()

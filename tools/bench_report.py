@@ -276,8 +276,9 @@ collective is inter-node when its group spans nodes. AMSP's bytes come from
 `amsp.record_comms`; the baselines' from tools/bench_comm.py (a wrapper around the
 torch.distributed calls they make). "model predicts" = amsp_dtensor.cost.comm's schedule
 for the equivalent plan (DDP = p1-g1-os1 as one bucket per unit, so only totals compare).
-Peak = glibc malloc bytes in use at block boundaries minus before the build
-(tools/bench_memory.py), max over ranks. States = params + grads + optimizer states held
+Peak = glibc malloc bytes in use minus before the build, sampled at block boundaries, the
+output head, after every backward and after the optimizer step (tools/bench_memory.py),
+max over ranks. States = params + grads + optimizer states held
 per rank just before the optimizer step. Loss = global mean loss of step {K}.
 
 ## Targets (measured)

@@ -88,9 +88,12 @@ class System:
         pass
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                   before_step: Callable[[], None] | None = None) -> float:
+                   before_step: Callable[[], None] | None = None,
+                   probe: Callable[[], None] | None = None) -> float:
         """Loss summed over micro-batches / M (this rank's part of the global mean).
-        ``before_step`` runs after the last backward, before the optimizer step."""
+        ``before_step`` runs after the last backward, before the optimizer step;
+        ``probe`` (a memory sample) after every backward and after the step, before
+        ``zero_grad``."""
         M = len(batches)
         total = 0.0
         for i, (tokens, labels) in enumerate(batches):
@@ -99,10 +102,14 @@ class System:
             with self.no_sync(last):
                 loss = lm_loss(self.model, tokens, labels) / M
                 loss.backward()
+            if probe is not None:
+                probe()
             total += loss.item()
         if before_step is not None:
             before_step()
         self.optim.step()
+        if probe is not None:
+            probe()
         self.optim.zero_grad(set_to_none=True)
         return total
 

@@ -103,7 +103,10 @@ def planner_choice(args, model_args, world, rpn, reserve_bytes: int = 0, bandwid
     (choose_plan's reserve_bytes); ``bandwidth``: choose_plan's time model (e.g. a profile
     table) instead of alpha-beta at --intra-bw / --inter-bw. Raises NoPlanFits when nothing
     fits the budget."""
+    import dataclasses
+
     from amsp_dtensor.cost import AlphaBeta, choose_plan
+    from amsp_dtensor.cost.models import from_torchtitan_args
 
     if bandwidth is None:
         bandwidth = AlphaBeta(intra_bw=args.intra_bw, inter_bw=args.inter_bw,
@@ -113,15 +116,21 @@ def planner_choice(args, model_args, world, rpn, reserve_bytes: int = 0, bandwid
         micro_batches=args.micro_batches, world_size=world, ranks_per_node=rpn,
         bandwidth=bandwidth,
         mixed_precision="fp32", attention=args.attention, clip=False,
-        reserve_bytes=int(reserve_bytes))
+        reserve_bytes=int(reserve_bytes),
+        # as the workers run AMSP: gloo (its all-gathers stage their output) and the
+        # post-step all-gather overlapping the next forward (bench_systems.AMSPSystem)
+        backend="gloo", overlap_param_update=True)
+    # the units as the workers cut AMSP (bench_systems.amsp_units): torchtitan's by default
+    shape = dataclasses.replace(from_torchtitan_args(args.flavor, model_args),
+                                layout=getattr(args, "amsp_layout", "titan"))
     if str(args.mem_budget_gib) == "hsdp":
-        probe = choose_plan(model_args, memory_budget_bytes=2**50, **common)
+        probe = choose_plan(shape, memory_budget_bytes=2**50, **common)
         budget = probe.baselines["hsdp"].memory.total
         budget_note = "the planner's estimate of HSDP's memory"
     else:
         budget = float(args.mem_budget_gib) * 2**30
         budget_note = f"{args.mem_budget_gib} GiB"
-    report = choose_plan(model_args, memory_budget_bytes=budget, **common)
+    report = choose_plan(shape, memory_budget_bytes=budget, **common)
     best = report.best
     summary = {
         "chosen": best.plan.name,
@@ -183,8 +192,8 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
     model = S.build_model(model_args, args.seed)
     predicted = predicted_bytes(key, plan, model, S.blocks_of(model), args, world, rpn)
     system = S.make_system(key, model, args.lr, meshes, plan, amsp_layout=args.amsp_layout)
-    mem.attach(S.blocks_of(system.model if not hasattr(system.model, "module")
-                           else system.model.module))
+    inner = system.model if not hasattr(system.model, "module") else system.model.module
+    mem.attach(S.blocks_of(inner), head=inner.output)
     times, losses = [], []
     total = args.warmup + args.steps
     state = None
@@ -202,8 +211,12 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
         amsp_rec = system.amsp.record_comms() if recorded and key.startswith("amsp") else None
         rec = amsp_rec.__enter__() if amsp_rec else None
         with counter.recording() if recorded else contextlib.nullcontext():
+            # warm-up steps (untimed) also sample memory after every op
+            op_level = mem.every_op() if step < args.warmup else contextlib.nullcontext()
             t0 = time.perf_counter()
-            loss = system.train_step(batches, grab_state if step == args.warmup else None)
+            with op_level:
+                loss = system.train_step(batches, grab_state if step == args.warmup else None,
+                                         probe=mem.sample)
             dt = time.perf_counter() - t0
             # events are recorded when waited: these were waited inside the timed step
             n_in_step = len(rec.events) if rec is not None else 0

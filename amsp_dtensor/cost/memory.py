@@ -24,10 +24,17 @@ h_kv = n_kv_heads*head_dim, a = n_heads, e = activation element bytes:
   Full activation checkpointing keeps only each block's input (e*h per token) and
   recomputes one block at a time in backward (one block's activations become temporary).
 
+The optimizer step is a second peak, with the activations gone but the synced G, the
+step's scratch and the post-step all-gathers alive (``step_bytes``): see that function.
+The estimate is the larger of the two phases.
+
 Temporary buffers (D_tmp): gathered units (s_p > 1: the unit being computed plus the one
-prefetched, both unsharded e*padded(U, s_p); the root stays gathered from forward to
-backward), the unsharded gradient of the unit in backward (its reduce-scatter input), and
-the loss gradient (fp32 and e-byte copies of the logits' gradient, 4V + eV per token).
+prefetched, both unsharded e*padded(U, s_p); the unit kept unsharded after forward, the
+root or torchtitan's [norm, output], stays gathered from forward to backward), the
+unsharded gradient of the unit in backward (its reduce-scatter input), the engine's hook
+input P_u (FSDP2's reduce-scatter output, or the flat copy of the grads when s_p = 1) plus,
+with s_g > s_p, its packed copy and the output of the reduce-scatter over "g", and the loss
+gradient (fp32 and e-byte copies of the logits' gradient, 4V + eV per token).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..plan import ResolvedPlan
+from .backward_peak import unit_sizes
 from .models import ModelShape
 from .padding import dim0_cols, padded_numel, shard_numel
 
@@ -47,6 +55,8 @@ __all__ = [
     "block_activation_bytes_per_token",
     "root_activation_bytes_per_token",
     "temp_bytes",
+    "StepBytes",
+    "step_bytes",
     "MemoryEstimate",
     "estimate_memory",
     "DTYPE_BYTES",
@@ -198,9 +208,14 @@ def temp_bytes(
     hpZ's secondary param copies."""
     e = _dtype_bytes(mixed_precision)
     units = model.unit_param_shapes()
-    block, root = units[0], units[-1]
+    # the unit kept unsharded after forward: the root ("blocks") or [norm, output]
+    # ("titan"); every other unit is gathered for its compute and resharded after
+    root = units[model.root_unit_index]
+    others = [u for i, u in enumerate(units) if i != model.root_unit_index]
+    block = max(others, key=lambda u: padded_numel(u, plan.s_p))
     tokens = seq_len * micro_batch
-    big_unit = max(padded_numel(u, plan.s_p) for u in units)
+    biggest = max(units, key=lambda u: padded_numel(u, plan.s_p))
+    big_unit = padded_numel(biggest, plan.s_p)
     gathered = 0
     if plan.s_p > 1:
         # unit in compute + prefetched one; the root stays gathered through backward
@@ -212,6 +227,13 @@ def temp_bytes(
     unit_grads = e * big_unit  # unsharded grads of the unit in backward
     if r != e:
         unit_grads += r * big_unit  # FSDP2 casts them to reduce_dtype for the reduce-scatter
+    # the engine's hook input, P_u: FSDP2's reduce-scatter output (s_p > 1) or the flat
+    # copy of the unit's grads (s_p = 1); with s_g > s_p the engine packs it for the
+    # reduce-scatter over "g" and receives that one's output (backward_peak.py, item 2)
+    sizes = unit_sizes(biggest, plan)
+    unit_grads += r * sizes.p
+    if plan.s_g > plan.s_p:
+        unit_grads += r * (sizes.g_packed + sizes.g)
     loss_grad = tokens * (4 + e) * model.vocab_size
     recompute = 0
     if activation_checkpointing == "full":
@@ -219,16 +241,93 @@ def temp_bytes(
     return gathered + unit_grads + loss_grad + recompute
 
 
+# [Note: gloo's staging buffer] On CPU, in-flight post-step all-gathers hold more than
+# their send buffers and outputs: measured on the debug model at 4 ranks (p1-g4-os4),
+# 6.9 MB beyond the 30.8 MB of those buffers, about two outputs of the largest unit: the
+# flat buffer gloo gathers into before copying it to the output, on each of the two
+# worker threads a gloo process group runs by default. NCCL gathers into the output.
+GLOO_WORKER_THREADS = 2
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes beyond P and OS at the optimizer step's peak, by kind (step_bytes)."""
+
+    synced_grad: int  # every unit's synced G, freed by zero_grad
+    gather: int  # every unit's post-step all-gather: send buffer + output
+    scratch: int  # what one unit's update allocates beyond them (worst unit)
+    staging: int  # the backend's copies of in-flight all-gather outputs (gloo)
+
+    @property
+    def total(self) -> int:
+        return self.synced_grad + self.gather + self.scratch + self.staging
+
+
+def step_bytes(
+    model: ModelShape, plan: ResolvedPlan, mixed_precision: str = "bf16",
+    reduce_dtype: str | None = None, clip: bool = False, backend: str = "nccl",
+) -> StepBytes:
+    """What one rank holds beyond P and OS at the peak of the optimizer step.
+
+    [Note: the step's peak] ``AMSPOptimizer.step()`` with AdamW-like optimizers steps the
+    units one at a time (optim.py): for unit u it builds fp32 master grads from the synced
+    G (4*OS_u) and the optimizer's scratch (foreach AdamW: one fp32 temporary of the
+    master's size, 4*OS_u), updates, frees both, and, when s_os > s_p, issues the
+    post-step all-gather over the OS subgroup: a send buffer of OS_u and its output of
+    k_os*OS_u elements in the param dtype, alive until the update lands (at the end of
+    step(), or in the next forward with overlap_param_update). So at the step's end every
+    unit's all-gather buffers are alive together, beside every unit's synced G (freed
+    by zero_grad). With clip_grad_norm_ every master grad is built before the first
+    update. OS_u, G_u: slot elements as in backward_peak.unit_sizes; the order the units
+    step in is not modelled (the bound takes the worst unit as the last one). backend
+    "gloo" adds its staging buffers (Note above)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
+    e = _dtype_bytes(mixed_precision)
+    r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
+    sizes = [unit_sizes(shapes, plan) for shapes in model.unit_param_shapes()]
+    k_g, k_os = plan.s_g // plan.s_p, plan.s_os // plan.s_p
+    synced_g = r * sum(s.os if (k_g == 1 and k_os > 1) else s.g for s in sizes)
+    sends = [e * (1 + k_os) * s.os if k_os > 1 else 0 for s in sizes]
+    work = [8 * s.os for s in sizes]
+    gather = sum(sends)
+    held = max(gather, *(gather - send + w for send, w in zip(sends, work)))
+    if clip:
+        held = max(held, 4 * sum(s.os for s in sizes) + 4 * max(s.os for s in sizes))
+    staging = 0
+    if backend == "gloo" and k_os > 1:
+        outputs = sorted((e * k_os * s.os for s in sizes), reverse=True)
+        staging = sum(outputs[:GLOO_WORKER_THREADS])
+    return StepBytes(synced_g, gather, held - gather, staging)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Two phases: forward/backward (states + activations + temp) and the optimizer step
+    (P + OS + ``step``); the total is the larger, plus the reserve."""
+
     states: StateBytes
     activations: int
     temp: int
     reserve: int = 0  # CUDA context, NCCL buffers, allocator slack: outside the tensors
+    step: int = 0  # beyond P and OS at the step's peak (step_bytes(...).total)
+
+    @property
+    def backward_total(self) -> int:
+        return self.states.total + self.activations + self.temp
+
+    @property
+    def step_total(self) -> int:
+        return self.states.param + self.states.optim + self.step
+
+    @property
+    def peak_phase(self) -> str:
+        return "step" if self.step_total > self.backward_total else "backward"
 
     @property
     def total(self) -> int:
-        return self.states.total + self.activations + self.temp + self.reserve
+        return max(self.backward_total, self.step_total) + self.reserve
 
     def as_dict(self) -> dict:
         return {
@@ -237,6 +336,8 @@ class MemoryEstimate:
             "optim": self.states.optim,
             "activations": self.activations,
             "temp": self.temp,
+            "step": self.step,
+            "peak_phase": self.peak_phase,
             "reserve": self.reserve,
             "total": self.total,
         }
@@ -246,13 +347,17 @@ def estimate_memory(
     model: ModelShape, plan: ResolvedPlan, seq_len: int, micro_batch: int,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
-    reduce_dtype: str | None = None, reserve_bytes: int = 0,
+    reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
+    backend: str = "nccl",
 ) -> MemoryEstimate:
-    """D_total = D_states + D_activation + D_tmp (+ a fixed reserve) for one rank.
+    """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
+    for one rank.
 
     reduce_dtype: "fp32" keeps G (and the gradient collectives) in fp32 under bf16 params
     (MixedPrecisionPolicy.reduce_dtype); None = the param dtype. reserve_bytes: memory the
-    process holds outside tensors (CUDA context, NCCL buffers, allocator slack)."""
+    process holds outside tensors (CUDA context, NCCL buffers, allocator slack). clip:
+    clip_grad_norm_ runs before the step (every master grad is built first). backend:
+    the process group's ("gloo" stages all-gather outputs, see step_bytes)."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     states = state_bytes(model.unit_param_shapes(), plan.s_p, plan.s_g, plan.s_os, e,
@@ -262,4 +367,5 @@ def estimate_memory(
     tmp = temp_bytes(model, plan, seq_len, micro_batch, mixed_precision,
                      activation_checkpointing, attention, norm, reshard_after_forward,
                      reduce_dtype)
-    return MemoryEstimate(states, act, tmp, int(reserve_bytes))
+    step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend)
+    return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total)

@@ -220,12 +220,14 @@ def estimate_plan(
     clip: bool = True, label: str | None = None, norm: str = "composite",
     reduce_dtype: str | None = None, reserve_bytes: int = 0,
     compute: ComputeModel | None = None, overlap_param_update: bool = False,
+    backend: str = "nccl",
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan."""
     mem = estimate_memory(model, plan, seq_len, micro_batch, mixed_precision,
                           activation_checkpointing, attention, norm=norm,
                           reshard_after_forward=reshard_after_forward,
-                          reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes)
+                          reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
+                          clip=clip, backend=backend)
     events = predicted_events(plan, model.unit_param_shapes(), micro_batches,
                               DTYPE_BYTES[mixed_precision], model.root_unit_index,
                               reshard_after_forward=reshard_after_forward, clip=clip,
@@ -274,7 +276,7 @@ def choose_plan(
     require_fit: bool = True, norm: str = "composite", reduce_dtype: str | None = None,
     reserve_bytes: int = 0, compute: ComputeModel | None = None,
     overlap_param_update: bool = False, cluster: NcclModel | None = None,
-    rank_by: str = "step",
+    rank_by: str = "step", backend: str = "nccl",
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -286,6 +288,8 @@ def choose_plan(
       time model. reserve_bytes: memory outside tensors, added to every plan's total.
     compute: ComputeModel (FLOP rate) for the step time; overlap_param_update: whether the
       post-step all-gather overlaps the next forward (the engine's default: no).
+    backend: "nccl" or "gloo" (CPU runs: its all-gathers stage their output, which the
+      memory estimate counts; cost/memory.py).
     rank_by: "step" (predicted step time with overlap; within 1% by comm sum) or "comm"
       (the no-overlap communication sum alone, e.g. for a CPU run whose compute rate is
       not the GPU default).
@@ -314,7 +318,7 @@ def choose_plan(
                   activation_checkpointing=activation_checkpointing, attention=attention,
                   clip=clip, norm=norm, reduce_dtype=reduce_dtype,
                   reserve_bytes=reserve_bytes, compute=compute,
-                  overlap_param_update=overlap_param_update)
+                  overlap_param_update=overlap_param_update, backend=backend)
     estimates = [estimate_plan(shape, p, **common)
                  for p in enumerate_plans(world_size, ranks_per_node)]
     if rank_by not in ("step", "comm"):
@@ -343,7 +347,7 @@ def choose_plan(
                     reserve_bytes=int(reserve_bytes),
                     compute_flops=(compute or ComputeModel()).compute_flops,
                     peak_flops=(compute or ComputeModel()).peak_flops,
-                    overlap_param_update=overlap_param_update)
+                    overlap_param_update=overlap_param_update, backend=backend)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name)
 
 

@@ -32,3 +32,21 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
                 for e in state.in_flight)
     optim = optimizer.memory_bytes() if optimizer is not None else 0
     return {"param": param, "grad": grad, "optim": optim}
+
+
+def step_buffer_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the buffers the optimizer step leaves alive beside P and OS, read from the
+    engine's state: {"synced_grad": every unit's synced G (until zero_grad), "gather":
+    every post-step all-gather still in flight (send buffer + output)}. Read it right
+    after ``step()`` with ``overlap_param_update=True``, before the updates land, to see
+    the step's peak (cost.memory.step_bytes models the same buffers)."""
+    state = find_state(model)
+    synced = gather = 0
+    for unit in state.units:
+        if unit.grad_synced is not None:
+            synced += unit.grad_synced.numel() * unit.grad_synced.element_size()
+        if unit.pending_update is not None:
+            comm, send_buf = unit.pending_update
+            for t in (comm.result, send_buf):
+                gather += t.numel() * t.element_size()
+    return {"synced_grad": synced, "gather": gather}
