@@ -325,6 +325,19 @@ def test_single_budget_report_renders_and_keeps_marked_sections(tmp_path):
     assert "| ZeRO-3 (FSDP2) |" in text and text.rstrip().endswith(kept)
 
 
+def _record_samples(mem, what) -> list:
+    """Make every sample of ``mem`` also append what() to the returned list."""
+    seen = []
+    sample = mem.sample
+
+    def recording(*a, **k):
+        seen.append(what())
+        sample()
+
+    mem.sample = recording
+    return seen
+
+
 def test_peak_memory_samples_the_head_the_backwards_and_the_step(monkeypatch):
     """The bench's peak is sampled at every block boundary, at the output head (logits,
     loss gradient), after every backward and after the optimizer step before zero_grad:
@@ -353,14 +366,7 @@ def test_peak_memory_samples_the_head_the_backwards_and_the_step(monkeypatch):
 
     model = Tiny()
     mem = BM.PeakMemory()
-    samples = []
-    orig = mem.sample
-
-    def counting(*a, **k):
-        samples.append(phase["now"])
-        orig()
-
-    mem.sample = counting
+    samples = _record_samples(mem, lambda: phase["now"])
     mem.attach([model.layers["0"]], head=model.output)
 
     class Opt:
@@ -391,14 +397,7 @@ def test_every_op_samples_after_each_op_forward_and_backward(monkeypatch):
     live = {"bytes": 0}
     monkeypatch.setattr(BM, "in_use_bytes", lambda: live["bytes"])
     mem = BM.PeakMemory()
-    calls = []
-    orig = mem.sample
-
-    def counting(*a, **k):
-        calls.append(live["bytes"])
-        orig()
-
-    mem.sample = counting
+    calls = _record_samples(mem, lambda: live["bytes"])
     x = torch.randn(8, 8, requires_grad=True)
     with mem.every_op():
         live["bytes"] = 123  # alive only while the next ops run
