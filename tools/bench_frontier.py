@@ -180,7 +180,7 @@ system's fastest configuration under the cap is compared:
   at a plan's measured peak leaves that plan no slack in the model, with the budget at the
   mid-point between the cap and the next.
 
-Commands (one per scale; each takes 7 to 15 minutes here):
+Commands (one per scale; 8 and 16 minutes here):
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
