@@ -11,6 +11,17 @@ DTensor dispatch would see whole tensors, but torch 2.13 cannot run such updates
 multi-dim OS placements in place, and made AdamW's step ~10x slower here. ``state_dict()``
 hands out DTensors in the OS layout, sharing storage with what the optimizer updates.
 
+[Note: fp32 P is its own master] When a unit's P shard is fp32 (an fp32 model, or FSDP2's
+MixedPrecisionPolicy, whose sharded params stay fp32), the master is not a copy: it is a
+view of this rank's OS rows inside the P shard, as FSDP2's sharded param is its own master.
+The optimizer then updates those P rows in place, and the post-step all-gather fills the
+rest of the P shard (s_os > s_p) or has nothing to do (s_os = s_p). This saves 4 bytes per
+parameter per OS shard and keeps the weights one tensor: an in-place edit of a parameter
+(a model ``load_state_dict``, a manual rescale) is what the next step starts from. The
+view must keep pointing at the P storage: ``step()`` checks it (_check_masters_alias) and
+refuses if a parameter was replaced (``load_state_dict(assign=True)``, ``module.to()``).
+With a bf16 P shard the master is a separate fp32 copy.
+
 After ``step()`` the new weights go back to the P shards (param_update.py): an all-gather
 over the OS subgroup (s_os/s_p ranks holding the same P shard). As with any torch
 optimizer, ``step()`` returns with every parameter updated. ``overlap_param_update=True``
@@ -127,6 +138,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     "AMSPOptimizer, which copies them into fp32 master weights"
                 )
         self.overlap_param_update = overlap_param_update
+        # (unit, param index, P storage) of every master that is a view into its P shard
+        self._aliases: list[tuple[AMSPUnit, int, int]] = []
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
         self._unit_slices: dict[int, tuple[int, list[DTensor]]] = {}  # id(unit) -> (start, masters)
@@ -161,13 +174,20 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     # ---- construction -------------------------------------------------------------
     def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
+        """This rank's OS rows of each param as fp32 master DTensors: views into the P
+        shard when it is fp32, copies otherwise (Note at the top)."""
         k, index = unit.info.os_split
         masters = []
-        for local, shape, rows in zip(unit.local_params(), unit.global_shapes, unit.p_layout.params):
+        for i, (local, shape, rows) in enumerate(
+                zip(unit.local_params(), unit.global_shapes, unit.p_layout.params)):
             start, length = chunk_rows(rows.rows, k)[index]
             with torch.no_grad():
                 chunk = local.reshape(rows.rows, rows.cols)[start : start + length]
-                master_local = chunk.to(torch.float32, copy=True).reshape(length, *shape[1:])
+                if local.dtype == torch.float32:
+                    master_local = chunk.view(length, *shape[1:])
+                    self._aliases.append((unit, i, local.untyped_storage().data_ptr()))
+                else:
+                    master_local = chunk.to(torch.float32, copy=True).reshape(length, *shape[1:])
             master = DTensor.from_local(
                 master_local,
                 unit.info.mesh,
@@ -218,6 +238,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "last gradient sync: run the last micro-batch's backward outside no_sync "
                 "before optimizer.step() / clip_grad_norm_()"
             )
+        self._check_masters_alias()
         reducing = grad_path.in_flight_units(state)
         for unit in state.units:
             unit.check_device()
@@ -235,6 +256,17 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 f"step() found no synced gradients for {unit.name} ({current.value}): run "
                 "backward (the last micro-batch outside amsp.no_sync) before step()"
             )
+
+    def _check_masters_alias(self) -> None:
+        """The fp32 masters that are views into the P shards must still be: a parameter
+        replaced since this optimizer was built would silently stop training."""
+        for unit, i, storage in self._aliases:
+            if unit.local_params()[i].untyped_storage().data_ptr() != storage:
+                raise RuntimeError(
+                    "a parameter's storage was replaced after AMSPOptimizer was built (e.g. "
+                    "load_state_dict(assign=True) or module.to()), so the optimizer no longer "
+                    "updates it: load weights in place (assign=False, or amsp.load), or build "
+                    "the optimizer after replacing them")
 
     @staticmethod
     def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
@@ -501,11 +533,14 @@ class AMSPOptimizer(torch.optim.Optimizer):
         )
 
     def memory_bytes(self) -> int:
-        """Bytes of per-element OS tensors on this rank: masters + states shaped like them."""
+        """Bytes of per-element OS tensors on this rank: masters + states shaped like them
+        (a master that is a view into an fp32 P shard is counted as P, not here)."""
+        p_storages = {storage for _, _, storage in self._aliases}
         total = 0
         for master, opt_param in zip(self._masters, self._opt_params):
             local = master.to_local()
-            total += local.numel() * local.element_size()
+            if local.untyped_storage().data_ptr() not in p_storages:
+                total += local.numel() * local.element_size()
             for value in self.inner.state.get(opt_param, {}).values():
                 if isinstance(value, DTensor):
                     value = value.to_local()

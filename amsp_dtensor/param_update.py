@@ -54,7 +54,9 @@ def _issue(unit: AMSPUnit, masters: list, collectives: Collectives):
     k = unit.info.os_split[0]
     if k == 1:
         for dest, master in zip(p_locals, masters):
-            dest.copy_(master.to_local().view(dest.shape))
+            src = master.to_local().view(dest.shape)
+            if src.data_ptr() != dest.data_ptr():  # an fp32 P shard is its own master
+                dest.copy_(src)
         return None
     send_buf = torch.zeros(unit.os_layout.numel, dtype=p_locals[0].dtype, device=p_locals[0].device)
     for view, master in zip(unit.os_layout.views(send_buf), masters):

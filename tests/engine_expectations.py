@@ -75,9 +75,16 @@ def expected_step_events(plan, world, per_node, micro_batches, elem, clip=True, 
     return events
 
 
+def os_bytes(elem):
+    """OS bytes per parameter for AdamW: two fp32 moments, plus an fp32 master unless the
+    params are fp32 (then they are their own master)."""
+    return 8 if elem == 4 else 12
+
+
 def ideal_bytes(plan, elem):
-    """The paper's memory model per rank: (P, G, OS) = (e/s_p, e/s_g, 12/s_os) * Phi, and the
-    padding allowance of one row per tensor."""
+    """The paper's memory model per rank: (P, G, OS) = (e/s_p, e/s_g, o/s_os) * Phi, and the
+    padding allowance of one row per tensor. o = 12 (fp32 master + two Adam moments) with
+    bf16 params; 8 with fp32 params, whose P shard is its own master."""
     s_p, s_g, s_os = plan
     shapes = [s for _, unit in unit_shapes() for s in unit]
     phi = sum(math.prod(s) for s in shapes)
@@ -86,6 +93,6 @@ def ideal_bytes(plan, elem):
         "phi": phi,
         "param": elem * phi / s_p,
         "grad": elem * phi / s_g,
-        "optim": 12 * phi / s_os,
+        "optim": os_bytes(elem) * phi / s_os,
         "row_elems": row,
     }

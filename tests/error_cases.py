@@ -42,6 +42,7 @@ EXPECTED = [
     ("a second optimizer on one model", ValueError, "already has an AMSPOptimizer"),
     ("model moved after sharding", RuntimeError, "move the model before amsp.fully_shard"),
     ("zero_grad keeping grads", ValueError, "set_to_none=False"),
+    ("parameter storage replaced after the optimizer", RuntimeError, "storage was replaced"),
 ]
 
 
@@ -100,6 +101,19 @@ def run_error_cases(rank, world):
         m.to("meta")
         m(torch.zeros(2, 8, dtype=torch.long))
 
+    def replaced_after_optimizer():
+        # fp32 masters are views into the params: a param given new storage is refused
+        m = make_model(torch.float32)
+        for block in m.layers:
+            amsp.fully_shard(block, mesh=replica_mesh, plan=replica)
+        amsp.fully_shard(m, mesh=replica_mesh, plan=replica)
+        optim = amsp.AMSPOptimizer(m, torch.optim.AdamW, lr=1e-3)
+        tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(rank))
+        loss_fn(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optim.zero_grad()  # completes the gradient sync: nothing left in flight
+        m.layers[0].attention.wq.weight.data = m.layers[0].attention.wq.weight.data.clone()
+        optim.step()
+
     fresh = sharded_model()
     fresh_optim = amsp.AMSPOptimizer(fresh, torch.optim.AdamW, lr=1e-3)
     cases = [
@@ -132,6 +146,7 @@ def run_error_cases(rank, world):
         lambda: amsp.AMSPOptimizer(fresh, torch.optim.AdamW, lr=1e-3),
         moved_after_sharding,
         lambda: fresh_optim.zero_grad(set_to_none=False),
+        replaced_after_optimizer,
     ]
     outcomes = []
     for (name, _, _), case in zip(EXPECTED, cases):

@@ -87,5 +87,37 @@ def run_extra_cases(rank, world):
     out["pending_after_zero_grad"] = overlapped_optim.param_update_pending
     out["submodule_output_equal"] = torch.equal(overlapped.layers[0].attention.wq(x),
                                                 plain.layers[0].attention.wq(x))
+
+    # fp32 params are their own masters: an in-place edit of the weights between steps (a
+    # rescale, a model load_state_dict) is what the next step updates, as with torch.optim;
+    # the same edit made to the single-process reference's params gives the same weights
+    edited, reference = {}, {}
+    for name, plan in (("p2-g2-os4", (2, 2, 4)), ("p1-g1-os4", (1, 1, 4))):
+        model = _build(plan)
+        optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR)
+        _train(model, optim, rank, world, 1)
+        with torch.no_grad():
+            model.layers[0].attention.wq.weight.mul_(0.5)
+        _train(model, optim, rank, world, 1, first_step=1)
+        w = model.layers[0].attention.wq.weight
+        edited[name] = (w.full_tensor() if hasattr(w, "full_tensor") else w).detach().clone()
+        reference[name] = _reference_with_edit(rank, world)
+    out["edited"] = edited
+    out["edited_reference"] = reference
     return out
+
+
+def _reference_with_edit(rank, world):
+    """One process, the whole batch, plain AdamW: step 0, wq of block 0 halved, step 1."""
+    model = make_model(torch.float32)
+    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(2):
+        if step == 1:
+            with torch.no_grad():
+                model.layers[0].attention.wq.weight.mul_(0.5)
+        batch = global_batches(step, world, 1, model.cfg)
+        loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
+        optim.step()
+        optim.zero_grad()
+    return model.layers[0].attention.wq.weight.detach().clone()
 

@@ -36,8 +36,10 @@ def test_paper_formula_when_everything_divides():
         assert sb.grad == 2 * phi // s_g
         assert sb.optim == 12 * phi // s_os
     assert state_bytes(m.unit_param_shapes(), 1, 1, 1, 2).total == 16 * phi  # 112 GB for 7B
+    # fp32: the P shard is its own master, the OS holds the two Adam moments (FSDP2's 16 B)
     fp32 = state_bytes(m.unit_param_shapes(), 8, 8, 8, 4)
-    assert (fp32.param, fp32.grad, fp32.optim) == (4 * phi // 8, 4 * phi // 8, 12 * phi // 8)
+    assert (fp32.param, fp32.grad, fp32.optim) == (4 * phi // 8, 4 * phi // 8, 8 * phi // 8)
+    assert fp32.total == 16 * phi // 8
 
 
 def test_padded_and_per_rank_state_bytes_by_hand():

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from amsp_dtensor.plan import enumerate_plans
-from engine_cases import MICRO_BATCHES, run_world, variants_of
+from engine_cases import MICRO_BATCHES, rel_diff, run_world, variants_of
 from engine_checks import (
+    TOLERANCE,
     VARIANT,
     check_cost_model,
     check_equivalence,
@@ -128,6 +129,16 @@ def test_submodule_forward_lands_an_overlapped_update(world4):
     for r in results["extra"]:
         assert r["extra"]["pending_after_zero_grad"] is True
         assert r["extra"]["submodule_output_equal"] is True
+
+
+def test_an_in_place_edit_of_fp32_weights_is_what_the_next_step_updates(world4):
+    """fp32 params are their own masters: halving a weight between two steps gives the
+    weights single-process AdamW gives with the same edit."""
+    results, _ = world4
+    for r in results["extra"]:
+        for name, got in r["extra"]["edited"].items():
+            want = r["extra"]["edited_reference"][name]
+            assert rel_diff(got, want) <= TOLERANCE["fp32"], name
 
 
 def test_hpz_secondary_group(world4):

@@ -200,8 +200,8 @@ loopback on the same 2 cores that compute, shared by all ranks of all nodes.
 **All fp32.** This CPU (AVX2, no AVX512-BF16/AMX) runs the model ~20x slower in bf16 than
 in fp32, which would bury communication under compute, so params, grads, collectives and
 AdamW states are fp32 everywhere: FSDP2/DDP keep 16 B/param/shard of states (the param is
-the master), AMSP keeps 4/s_p + 4/s_g + 12/s_os (a separate fp32 master in the OS shard,
-as the engine does in fp32 mode).
+the master), and so does AMSP at equal factors: 4/s_p + 4/s_g + 8/s_os (in fp32 the P shard
+is its own master).
 
 **Workload.** torchtitan llama3 `debugmodel` (6.16M params), seq 64, one sequence per rank
 per micro-batch, M = 4 micro-batches per step, 1 Gbit/s between nodes. Compute per step

@@ -553,10 +553,9 @@ def analysis(rows: list[dict], fr: list[dict]) -> list[str]:
         lines.append(
             f"Memory floor: AMSP's smallest plan {a['label']} peaks at {a['peak'] / MB:.1f} MB "
             f"with {_mb(a['state'])} MB of model states; {z['label']} at {z['peak'] / MB:.1f} MB "
-            f"with {_mb(z['state'])} MB. In fp32 FSDP2's parameter shard is its master (16 "
-            "B/param/shard: param, grad, two Adam moments), while AMSP keeps the parameter "
-            "shard and a separate fp32 master in the OS shard (4/s_p + 4/s_g + 12/s_os "
-            "B/param), so at equal factors AMSP holds 4/s_os more bytes per parameter.")
+            f"with {_mb(z['state'])} MB. In fp32 both hold 16 B/param/shard of states at "
+            "equal factors (the parameter shard is the master: param, grad, two Adam "
+            "moments); the rest of the gap is buffers and activations.")
     for f in fr:
         if f["baseline"] is None or (f["ratio"] is not None and f["ratio"] >= TARGET_FLOOR):
             continue

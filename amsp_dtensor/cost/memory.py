@@ -2,7 +2,8 @@
 
 Model states (the paper's memory model, section 3): D_states = 2*Phi/s_p + 2*Phi/s_g + 12*Phi/s_os in
 bf16 mode (bf16 params and grads, fp32 master + Adam exp_avg + exp_avg_sq in the OS layout);
-fp32 mode keeps 4/s_p + 4/s_g + 12/s_os (master is a separate fp32 copy). Computed per
+fp32 mode keeps 4/s_p + 4/s_g + 8/s_os (the fp32 P shard is its own master: the OS keeps
+the two Adam moments; see optim.py's Note). Computed per
 tensor with the engine's Shard(0) padding: a tensor of dim0 d0 and cols c sharded over s
 holds ceil(d0/s)*c elements on every rank (cost/padding.py), so the numbers equal the
 engine's tensor bytes exactly, not Phi/s.
@@ -60,10 +61,18 @@ __all__ = [
     "MemoryEstimate",
     "estimate_memory",
     "DTYPE_BYTES",
+    "optim_bytes_per_param",
 ]
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 OPTIM_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq (Adam/AdamW)
+MOMENT_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq: an fp32 P shard is its own master
+
+
+def optim_bytes_per_param(dtype_bytes: int) -> int:
+    """OS bytes per element: the two Adam moments, plus a separate fp32 master unless the
+    P shard is fp32 itself (then the master is a view into it)."""
+    return MOMENT_BYTES_PER_PARAM if dtype_bytes == 4 else OPTIM_BYTES_PER_PARAM
 
 
 def _dtype_bytes(mixed_precision: str) -> int:
@@ -91,17 +100,19 @@ class StateBytes:
 
 def state_bytes(
     unit_param_shapes, s_p: int, s_g: int, s_os: int, dtype_bytes: int,
-    optim_bytes_per_param: int = OPTIM_BYTES_PER_PARAM, grad_dtype_bytes: int | None = None,
+    optim_bytes: int | None = None, grad_dtype_bytes: int | None = None,
 ) -> StateBytes:
     """Bytes of P, G, OS on one rank: e*sum ceil(d0/s_p)*c, r*sum ceil(d0/s_g)*c,
-    12*sum ceil(d0/s_os)*c (2/s_p + 2/s_g + 12/s_os per param in bf16, padded);
-    r = grad_dtype_bytes (the reduce dtype; default e)."""
+    o*sum ceil(d0/s_os)*c (2/s_p + 2/s_g + 12/s_os per param in bf16, 4/4/8 in fp32,
+    padded); r = grad_dtype_bytes (the reduce dtype; default e); o = optim_bytes (default
+    optim_bytes_per_param(e))."""
     shapes = [shape for unit in unit_param_shapes for shape in unit]
     r = grad_dtype_bytes or dtype_bytes
+    o = optim_bytes if optim_bytes is not None else optim_bytes_per_param(dtype_bytes)
     return StateBytes(
         param=dtype_bytes * shard_numel(shapes, s_p),
         grad=r * shard_numel(shapes, s_g),
-        optim=optim_bytes_per_param * shard_numel(shapes, s_os),
+        optim=o * shard_numel(shapes, s_os),
     )
 
 
@@ -124,7 +135,7 @@ def mesh_coords(plan: ResolvedPlan, rank: int) -> dict[str, int]:
 
 def state_bytes_of_rank(
     unit_param_shapes, plan: ResolvedPlan, rank: int, dtype_bytes: int,
-    grads_synced: bool = False, optim_bytes_per_param: int = OPTIM_BYTES_PER_PARAM,
+    grads_synced: bool = False, optim_bytes: int | None = None,
 ) -> StateBytes:
     """What one given rank holds, as the engine lays it out (layouts.py):
 
@@ -132,9 +143,10 @@ def state_bytes_of_rank(
     - G: flat buffers with a slot of ceil(d0/s_g) rows per tensor while accumulating; after
       the last backward's sync they are in the OS layout, ceil(d0/s_os) rows per slot
       (differs from the former only when s_g = s_p < s_os);
-    - OS: the real rows only (fp32 master, exp_avg, exp_avg_sq are DTensors of the rank's
-      chunk): the P chunk (torch.chunk of d0 over s_p) chunked again over the s_os/s_p
-      ranks of the OS subgroup, so ranks at the end of a tensor may hold fewer rows.
+    - OS: the real rows only (fp32 master unless P is fp32, exp_avg, exp_avg_sq are
+      DTensors of the rank's chunk): the P chunk (torch.chunk of d0 over s_p) chunked
+      again over the s_os/s_p ranks of the OS subgroup, so ranks at the end of a tensor
+      may hold fewer rows.
     Rank 0 always holds full chunks, so state_bytes() (the padded formula) equals rank 0.
     """
     c = mesh_coords(plan, rank)
@@ -149,7 +161,8 @@ def state_bytes_of_rank(
             grad += -(-d0 // s_grad) * cols
             p_rows = _chunk_len(d0, plan.s_p, c["p"])
             optim += _chunk_len(p_rows, k, sub_index) * cols
-    return StateBytes(dtype_bytes * param, dtype_bytes * grad, optim_bytes_per_param * optim)
+    o = optim_bytes if optim_bytes is not None else optim_bytes_per_param(dtype_bytes)
+    return StateBytes(dtype_bytes * param, dtype_bytes * grad, o * optim)
 
 
 def _norm_bytes(h: int, e: int, norm: str) -> int:

@@ -14,7 +14,8 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     param: P storage (FSDP's padded shard, or the full param when s_p = 1);
     grad: G buffers alive now (accumulating, synced, or still being reduced in a
       collective left in flight after backward);
-    optim: fp32 masters plus optimizer states shaped like them (0 without optimizer).
+    optim: fp32 masters plus optimizer states shaped like them (0 without optimizer; a
+      master that is a view into an fp32 P shard is counted once, as param).
     """
     state = find_state(model)
     param = grad = 0
