@@ -28,7 +28,8 @@ optimizer, ``step()`` returns with every parameter updated. ``overlap_param_upda
 is AMSP's overlap (the paper overlaps this all-gather with the next forward; Megatron-LM's
 ``overlap_param_gather`` is the same idea, also opt-in): ``step()`` returns with the
 all-gathers in flight, and each unit's forward pre-hook lands its own; until then the
-parameters read through ``model.parameters()`` are the previous step's. ``state_dict()``
+parameters read through ``model.parameters()`` are not all current (the previous step's,
+except, with fp32 params, the rows this rank updated itself). ``state_dict()``
 (the model's or the optimizer's) and ``wait_param_update()`` land them first.
 """
 
