@@ -158,10 +158,10 @@ system's fastest configuration under the cap is compared:
   and in the warm-up steps (untimed) after every aten op (tools/bench_memory.py), max over
   ranks and repetitions. With one warm-up step (the 4x2 command) the per-op samples see
   only the first step, whose backward runs before the optimizer's states exist, so at that
-  scale the steady-state backward peak is the coarser samples' (a lower bound: at 2x2,
-  p1-g1-os1 peaked at 133.6 MB in a run sampled at the coarse points only, and at 139.6 MB
-  with per-op samples in its second warm-up step). A configuration fits a cap when its peak
-  is at or under it. The caps are the distinct measured peaks; each system's
+  scale the steady-state backward peak is the coarser samples' (a lower bound: p1-g1-os1,
+  whose states per rank are the same at both scales, peaks at 108.9 MB at 4x2 and at 114.9
+  MB at 2x2, where the per-op samples see its second step). A configuration fits a cap when
+  its peak is at or under it. The caps are the distinct measured peaks; each system's
   frontier is a step function of the cap, drawn in the chart of each section.
 - "AMSP waited s/step" = sum of the time the issuing thread of a rank waited in the
   collectives of the recorded timed step (`amsp.record_comms`, `blocked_seconds`), max
