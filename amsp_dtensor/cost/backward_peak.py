@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from ..plan import ResolvedPlan
 from .padding import dim0_cols
 
-__all__ = ["UnitSizes", "unit_sizes", "PredictedSample", "BackwardPeak",
-           "predict_backward_grad_bytes"]
+__all__ = ["UnitSizes", "unit_sizes", "synced_grad_elements", "PredictedSample",
+           "BackwardPeak", "predict_backward_grad_bytes"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,13 @@ def unit_sizes(shapes, plan: ResolvedPlan) -> UnitSizes:
         g += -(-cap // k_g) * cols
         os += -(-cap // k_os) * cols
     return UnitSizes(p, g, os, k_g * g, k_os * os)
+
+
+def synced_grad_elements(size: UnitSizes, plan: ResolvedPlan) -> int:
+    """Elements of a unit's G once synced: reduced to the OS shard when the sync
+    reduce-scatters over "os" (s_g = s_p < s_os), else the G shard itself."""
+    k_g, k_os = plan.s_g // plan.s_p, plan.s_os // plan.s_p
+    return size.os if (k_g == 1 and k_os > 1) else size.g
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ def predict_backward_grad_bytes(
         raise ValueError(f"early_grads has {len(early_grads)} entries for {n} units")
     sizes = [unit_sizes(shapes, plan) for shapes in unit_param_shapes]
     k_g, k_os = plan.s_g // plan.s_p, plan.s_os // plan.s_p
-    synced = [s.os if (k_g == 1 and k_os > 1) else s.g for s in sizes]
+    synced = [synced_grad_elements(s, plan) for s in sizes]
     samples = []
     for m in range(micro_batches):
         sync = m == micro_batches - 1

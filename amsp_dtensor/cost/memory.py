@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..plan import ResolvedPlan
-from .backward_peak import unit_sizes
+from .backward_peak import synced_grad_elements, unit_sizes
 from .models import ModelShape
 from .padding import dim0_cols, padded_numel, shard_numel
 
@@ -300,8 +300,8 @@ def step_bytes(
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     sizes = [unit_sizes(shapes, plan) for shapes in model.unit_param_shapes()]
-    k_g, k_os = plan.s_g // plan.s_p, plan.s_os // plan.s_p
-    synced_g = r * sum(s.os if (k_g == 1 and k_os > 1) else s.g for s in sizes)
+    k_os = plan.s_os // plan.s_p
+    synced_g = r * sum(synced_grad_elements(s, plan) for s in sizes)
     sends = [e * (1 + k_os) * s.os if k_os > 1 else 0 for s in sizes]
     work = [8 * s.os for s in sizes]
     gather = sum(sends)
