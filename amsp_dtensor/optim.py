@@ -136,11 +136,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"parameters of {unit.fqn or 'the root'} are still on the meta device: "
                     "materialise the model (to_empty + init_weights) before building "
-                    "AMSPOptimizer, which copies them into fp32 master weights"
+                    "AMSPOptimizer, which builds its fp32 master weights from them"
                 )
         self.overlap_param_update = overlap_param_update
-        # (unit, param index, P storage) of every master that is a view into its P shard
-        self._aliases: list[tuple[AMSPUnit, int, int]] = []
+        # per unit whose masters are views into its fp32 P shards: {param index: storage}
+        self._aliases: list[tuple[AMSPUnit, dict[int, int]]] = []
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
         self._unit_slices: dict[int, tuple[int, list[DTensor]]] = {}  # id(unit) -> (start, masters)
@@ -179,6 +179,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         shard when it is fp32, copies otherwise (Note at the top)."""
         k, index = unit.info.os_split
         masters = []
+        views: dict[int, int] = {}
         for i, (local, shape, rows) in enumerate(
                 zip(unit.local_params(), unit.global_shapes, unit.p_layout.params)):
             start, length = chunk_rows(rows.rows, k)[index]
@@ -186,7 +187,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 chunk = local.reshape(rows.rows, rows.cols)[start : start + length]
                 if local.dtype == torch.float32:
                     master_local = chunk.view(length, *shape[1:])
-                    self._aliases.append((unit, i, local.untyped_storage().data_ptr()))
+                    views[i] = local.untyped_storage().data_ptr()
                 else:
                     master_local = chunk.to(torch.float32, copy=True).reshape(length, *shape[1:])
             master = DTensor.from_local(
@@ -198,6 +199,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 stride=_contiguous_stride(shape),
             )
             masters.append(nn.Parameter(master))
+        if views:
+            self._aliases.append((unit, views))
         return masters
 
     # ---- gradients ----------------------------------------------------------------
@@ -261,8 +264,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def _check_masters_alias(self) -> None:
         """The fp32 masters that are views into the P shards must still be: a parameter
         replaced since this optimizer was built would silently stop training."""
-        for unit, i, storage in self._aliases:
-            if unit.local_params()[i].untyped_storage().data_ptr() != storage:
+        for unit, views in self._aliases:
+            local = unit.local_params()
+            if any(local[i].untyped_storage().data_ptr() != storage
+                   for i, storage in views.items()):
                 raise RuntimeError(
                     "a parameter's storage was replaced after AMSPOptimizer was built (e.g. "
                     "load_state_dict(assign=True) or module.to()), so the optimizer no longer "
@@ -536,7 +541,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def memory_bytes(self) -> int:
         """Bytes of per-element OS tensors on this rank: masters + states shaped like them
         (a master that is a view into an fp32 P shard is counted as P, not here)."""
-        p_storages = {storage for _, _, storage in self._aliases}
+        p_storages = {storage for _, views in self._aliases for storage in views.values()}
         total = 0
         for master, opt_param in zip(self._masters, self._opt_params):
             local = master.to_local()
