@@ -13,8 +13,10 @@ bytes before the system was built is the system's peak (model states + activatio
 gathered params + comm buffers). Inside ``every_op()`` (the workers' untimed warm-up
 steps) it is also sampled after every aten op, forward, backward and optimizer step
 alike, which catches the transients between those points (a unit's unsharded
-gradients, FSDP2's reduce-scatter buffers, the logits' gradient). A sample between two hook points can miss a short spike inside one block, so
-this is a lower bound on the true peak, taken the same way for every system.
+gradients, FSDP2's reduce-scatter buffers, the logits' gradient). Outside it a sample
+between two hook points can miss a short spike inside one block, and even per op the
+temporaries inside one op are missed, so this is a lower bound on the true peak, taken
+the same way for every system.
 """
 
 from __future__ import annotations
