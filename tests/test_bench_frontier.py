@@ -193,6 +193,11 @@ def test_section_and_document_keep_other_scales_and_overlap(tmp_path):
     assert "| 130.0 | p1-g1-os2 (1000 tokens/s) | p1-g1-os2 (1 of 3, +0%) | " \
            "p2-g2-os4 (2 of 3, +100%) |" in sec
     assert "The planner with link (alpha-beta): 3 of 8 caps within 10% (38%)" in sec
+    assert "sampled per op" not in sec
+    data["meta"]["args"]["mem_steps"] = 1
+    sec_mem = R.section(data, "python -m tools.bench_frontier --nodes 2", "frontier_2x2.png")
+    assert "2 warm-up steps, then 1 timed step(s); in repetition 0, 1 more untimed step(s) " \
+           "after the timed ones, sampled per op for the peak" in sec_mem
     other = "<!-- frontier-4x2:begin -->\n## 4x2, measured before\n<!-- frontier-4x2:end -->"
     overlap = "<!-- overlap:begin -->\n## Overlap\n| kept | verbatim |\n<!-- overlap:end -->"
     old = "# old title\n\nold text\n\n" + other + "\n\nstale\n\n" + \
@@ -247,10 +252,11 @@ def test_sweep_covers_every_configuration_and_schedule_cuts():
     with pytest.raises(SystemExit):
         F.parse_counts("zero3=0")
     assert F.parse_counts("zero3=1, amsp:p4-g4-os4=2") == {"zero3": 1, "amsp:p4-g4-os4": 2}
-    args = F.parse_args(["--out", "x", "--steps-for", "zero3=1", "--reps-for", "hpz=2"])
-    assert (args.warmup, args.steps, args.reps) == (2, 2, 3)
+    args = F.parse_args(["--out", "x", "--steps-for", "zero3=1", "--reps-for", "hpz=2",
+                         "--mem-steps", "1"])
+    assert (args.warmup, args.steps, args.reps, args.mem_steps) == (2, 2, 3, 1)
     again = F.parse_args(F.frontier_argv(args) + ["--out", "x"])
-    for dest in ("steps_for", "reps_for", "configs", "steps", "reps", "plans"):
+    for dest in ("steps_for", "reps_for", "configs", "steps", "reps", "plans", "mem_steps"):
         assert getattr(again, dest) == getattr(args, dest), dest
 
 
@@ -409,3 +415,40 @@ def test_every_op_samples_after_each_op_forward_and_backward(monkeypatch):
     calls.clear()
     (x * 2).sum().backward()  # outside the block: no sampling
     assert calls == []
+
+
+def test_memory_steps_see_the_backward_once_optimizer_states_exist(monkeypatch):
+    """A peak that needs the optimizer's states and a backward's gradients alive together
+    is missed by a per-op-sampled first step (its backward runs before the states exist)
+    and caught by bench_worker.memory_steps after it."""
+    import torch
+    import torch.nn as nn
+
+    from tools import bench_memory as BM
+    from tools import bench_systems as S
+    from tools import bench_worker as W
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    seen = {"steps": 0, "grads_made_after": -1}
+    optim.register_step_post_hook(lambda *a: seen.update(steps=seen["steps"] + 1))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: seen.update(grads_made_after=seen["steps"]))
+
+    def fake_in_use() -> int:  # 1 GB while a backward's grads sit beside Adam's states
+        grads = any(p.grad is not None for p in model.parameters())
+        return 10**9 if grads and seen["grads_made_after"] >= 1 else 0
+
+    monkeypatch.setattr(BM, "in_use_bytes", fake_in_use)
+    monkeypatch.setattr(S, "lm_loss", lambda m, t, l: m(t).float().pow(2).mean())
+    system = S.System()
+    system.model, system.optim = model, optim
+    batches = [(torch.randn(2, 4), None), (torch.randn(2, 4), None)]
+    mem = BM.PeakMemory()
+    with mem.every_op():  # a warm-up step: its backward runs before the states exist
+        system.train_step(batches, probe=mem.sample)
+    assert mem.peak_delta == 0
+    W.memory_steps(system, mem, [batches])
+    assert mem.peak_delta == 10**9

@@ -156,11 +156,12 @@ system's fastest configuration under the cap is compared:
   = glibc malloc bytes in use minus before the build, sampled at every block boundary, at
   the output head, after every backward and after the optimizer step before `zero_grad`,
   and in the warm-up steps (untimed) after every aten op (tools/bench_memory.py), max over
-  ranks and repetitions. With one warm-up step (the 4x2 command) the per-op samples see
-  only the first step, whose backward runs before the optimizer's states exist, so at that
-  scale the steady-state backward peak is the coarser samples' (a lower bound: p1-g1-os1,
-  whose states per rank are the same at both scales, peaks at 108.9 MB at 4x2 and at 114.9
-  MB at 2x2, where the per-op samples see its second step). A configuration fits a cap when
+  ranks and repetitions. One warm-up step (the 4x2 command) is not enough for that: its
+  backward runs before the optimizer's states exist, so per-op samples of it alone miss
+  the steady-state backward peak (measured so, p1-g1-os1 peaked at 108.9 MB at 4x2 against
+  114.9 MB at 2x2, with the same states per rank). So the 4x2 command also runs, in
+  repetition 0, one untimed step after the timed one, sampled per op (`--mem-steps 1`).
+  A configuration fits a cap when
   its peak is at or under it. The caps are the distinct measured peaks; each system's
   frontier is a step function of the cap, drawn in the chart of each section.
 - "AMSP waited s/step" = sum of the time the issuing thread of a rank waited in the
@@ -180,11 +181,11 @@ system's fastest configuration under the cap is compared:
   at a plan's measured peak leaves that plan no slack in the model, with the budget at the
   mid-point between the cap and the next.
 
-Commands (one per scale; 8 and 16 minutes here):
+Commands (one per scale; 8 and 18 minutes here):
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
-flock /tmp/amsp_cpu.lock timeout 1100 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --prune 0.1 --timeout 1000
+flock /tmp/amsp_cpu.lock timeout 1240 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 1200
 ```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"

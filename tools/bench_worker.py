@@ -186,7 +186,25 @@ def make_batches(step: int, args, world: int, rank: int, vocab: int):
             for i in range(args.micro_batches)]
 
 
-def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, record=True):
+def memory_steps(system, mem, steps_batches) -> None:
+    """Untimed steps (one per entry of `steps_batches`) with `mem` sampling after every
+    op, for the peak only: run after steps that created the optimizer's states, they see
+    the steady-state backward and step."""
+    for batches in steps_batches:
+        with mem.every_op():
+            system.train_step(batches, probe=mem.sample)
+        mem.sample()
+
+
+def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, record=True,
+            mem_steps=0):
+    """Build `key`, run its warm-up and timed steps, return its result dict.
+
+    ``mem_steps``: in a recorded run, that many more untimed steps after the timed
+    ones, with memory sampled after every op (their losses are not reported). With
+    one warm-up step, the per-op samples otherwise see only a backward that runs
+    before the optimizer's states exist, and a plan whose peak is in backward would
+    be measured low (its samples at hook points are lower bounds)."""
     gc.collect()
     mem = bench_memory.PeakMemory()
     model = S.build_model(model_args, args.seed)
@@ -243,6 +261,10 @@ def run_one(key, plan, args, model_args, meshes, counter, world, rank, rpn, reco
             times.append(dt)
         mem.sample()
         losses.append(loss)
+    if record and mem_steps:
+        memory_steps(system, mem, [make_batches(total + i, args, world, rank,
+                                                model_args.vocab_size)
+                                   for i in range(mem_steps)])
     if key.startswith("amsp"):
         system.optim.wait_param_update()
     mem.detach()

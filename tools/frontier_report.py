@@ -487,7 +487,11 @@ def section(data: dict, command: str, png_name: str) -> str:
         f"{a['micro_batches']}: {meta['tokens_per_step']} tokens per step; AdamW.",
         f"- {len(rows)} configurations, interleaved in each of {a['reps']} repetitions; "
         f"each rebuilt from the same seed, {a['warmup']} warm-up steps, then {a['steps']} "
-        f"timed step(s); {_cut_text(meta, rows)}. Sweep wall time {meta['wall_s']:.0f} s"
+        f"timed step(s)"
+        + (f"; in repetition 0, {a['mem_steps']} more untimed step(s) after the timed "
+           "ones, sampled per op for the peak (a step whose backward sees the optimizer's "
+           "states)" if a.get("mem_steps") else "")
+        + f"; {_cut_text(meta, rows)}. Sweep wall time {meta['wall_s']:.0f} s"
         + (f"; every configuration's process groups were built before the first "
            f"measurement ({meta['setup']['groups_s']:.0f} s; rank 0 then ran "
            f"{meta['setup']['threads_rank0']} threads, most of them gloo's per-group "

@@ -3,7 +3,8 @@
 One process set runs the whole sweep of one scale: for rep in reps: for config in configs:
 tools/bench_worker.run_one (build from the same seed, ``warmup`` untimed steps, timed
 steps; collectives, state bytes and the time AMSP waited in collectives are recorded in
-the last step of repetition 0). A configuration may get fewer timed steps
+the last step of repetition 0, which then runs ``--mem-steps`` untimed per-op-sampled
+steps). A configuration may get fewer timed steps
 (``--steps-for``) or repetitions (``--reps-for``) than the others; warm-up steps are the
 same for all, so every configuration sees the same data in its first steps. Rank 0
 writes one JSON (bench_worker's format, plus each result's config key).
@@ -71,13 +72,17 @@ def add_frontier_args(ap: argparse.ArgumentParser) -> None:
                          "e.g. zero3=1,amsp:p4-g4-os4=1")
     ap.add_argument("--reps-for", default="",
                     help="repetitions for some configurations instead of --reps")
+    ap.add_argument("--mem-steps", type=int, default=0,
+                    help="untimed steps after the timed ones in repetition 0, memory "
+                         "sampled after every op (for runs with one warm-up step, whose "
+                         "per-op samples would otherwise miss the steady-state backward)")
     ap.add_argument("--prune", type=float, default=0.0,
                     help="after repetition 0, run no more repetitions of a configuration "
                          "that another of the same system beats by this margin (e.g. 0.1: "
                          ">= 1.1x its tokens/s) at no more peak memory; 0 = off")
 
 
-FRONTIER_DESTS = ("configs", "steps_for", "reps_for", "prune")
+FRONTIER_DESTS = ("configs", "steps_for", "reps_for", "mem_steps", "prune")
 
 
 def frontier_argv(args: argparse.Namespace) -> list[str]:
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         r = W.run_one(key if not key.startswith("amsp:") else "amsp", plans.get(key),
                       run_args, model_args, meshes, counter, world, rank, rpn,
-                      record=rep == 0)
+                      record=rep == 0, mem_steps=args.mem_steps)
         r.update(rep=rep, config=key, wall_s=time.time() - t0)
         results.append(r)
         if rank == 0:
