@@ -181,11 +181,11 @@ system's fastest configuration under the cap is compared:
   at a plan's measured peak leaves that plan no slack in the model, with the budget at the
   mid-point between the cap and the next.
 
-Commands (one per scale; 8 and 18 minutes here):
+Commands (one per scale; 8 and 18-23 minutes here):
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
-flock /tmp/amsp_cpu.lock timeout 1240 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 1200
+flock /tmp/amsp_cpu.lock timeout 1540 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 1500
 ```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
