@@ -161,8 +161,7 @@ system's fastest configuration under the cap is compared:
   the steady-state backward peak (measured so, p1-g1-os1 peaked at 108.9 MB at 4x2 against
   114.9 MB at 2x2, with the same states per rank). So the 4x2 command also runs, in
   repetition 0, one untimed step after the timed one, sampled per op (`--mem-steps 1`).
-  A configuration fits a cap when
-  its peak is at or under it. The caps are the distinct measured peaks; each system's
+  A configuration fits a cap when its peak is at or under it. The caps are the distinct measured peaks; each system's
   frontier is a step function of the cap, drawn in the chart of each section.
 - "AMSP waited s/step" = sum of the time the issuing thread of a rank waited in the
   collectives of the recorded timed step (`amsp.record_comms`, `blocked_seconds`), max
