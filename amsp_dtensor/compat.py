@@ -95,6 +95,20 @@ def fsdp_reset_iteration(module: nn.Module) -> None:
         module.reset_iter_state()
 
 
+def fsdp_unsharded_grads(module: nn.Module) -> list:
+    """The ``.grad`` of each unsharded param of a unit (None where there is none); read
+    by tests of the memory model (cost/memory.py's backward moments)."""
+    return [getattr(getattr(p, "_unsharded_param", None), "grad", None)
+            for p in fsdp_params(module)]
+
+
+def fsdp_retained_reduce_scatter_inputs(module: nn.Module) -> list[torch.Tensor]:
+    """The reduce-scatter inputs FSDP2 keeps alive after their reduce-scatter (shared by
+    every unit of one root); read by tests of the memory model."""
+    comm_ctx = module._get_fsdp_state()._fsdp_param_group.comm_ctx
+    return [state.reduce_scatter_input for state in comm_ctx.reduce_scatter_states]
+
+
 def fsdp_forward_prefetch_modules(module: nn.Module) -> list[nn.Module]:
     """Modules FSDP2 all-gathers ahead from this unit's pre-forward
     (``set_modules_to_forward_prefetch``)."""

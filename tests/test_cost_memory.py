@@ -190,7 +190,11 @@ def test_step_bytes_by_hand():
         step_bytes(m, rp, "bf16", backend="mpi")
 
 
-def test_temp_bytes_follow_the_unit_kept_unsharded_in_each_layout():
+def test_temp_bytes_take_the_largest_moment_of_backward():
+    """By hand, for s_p = 2 in both layouts: the head's backward (loss gradient, largest
+    unit's grads, hook input) against a later unit's backward under FSDP2 (the root's
+    unsharded grads and the previous unit's reduce-scatter input alive, the head's and the
+    last block's buffers freed) and the root's post-backward at the end."""
     import dataclasses
 
     from amsp_dtensor.cost.memory import temp_bytes
@@ -198,21 +202,96 @@ def test_temp_bytes_follow_the_unit_kept_unsharded_in_each_layout():
     blocks = MODELS["llama3_debugmodel"]
     titan = dataclasses.replace(blocks, layout="titan")
     rp = ShardingPlan(2, 2, 2).resolve(4, 2)
-    e, seq, mb = 4, 64, 1
+    e, seq = 4, 64
     d, V = blocks.dim, blocks.vocab_size
     block = [p.shape for p in blocks.block_params()]
-    padded_block = padded_numel(block, 2)
+    layouts = {
+        # "blocks": the root (embeddings, norm, output) stays gathered; it is the largest
+        "blocks": (blocks, [(V, d), (d,), (V, d)], [(V, d), (d,), (V, d)]),
+        # "titan": [norm, output] stays gathered; the largest unit is a block
+        "titan": (titan, [(d,), (V, d)], block),
+    }
+    winners = {}
+    for mb in (1, 8):
+        loss_grad = seq * mb * (4 + e) * V
+        acts = activation_bytes(blocks, seq, mb, "fp32")
+        freed = seq * mb * (block_activation_bytes_per_token(blocks, seq, e)
+                            + root_activation_bytes_per_token(blocks, e))
+        for name, (model, root, largest) in layouts.items():
+            assert padded_numel(largest, 2) >= padded_numel(block, 2)
+            gathered = e * (2 * padded_numel(block, 2) + padded_numel(root, 2))
+            # k_g = 1: the hook input P_u only (nothing packed); s_g = s_os: no "os" sync
+            head = (gathered + e * padded_numel(largest, 2) + e * shard_numel(largest, 2)
+                    + loss_grad)
+            later = (gathered + e * padded_numel(root, 2)  # the root's unsharded grads
+                     + e * padded_numel(block, 2)  # the previous unit's reduce-scatter input
+                     + e * shard_numel(block, 2) - freed)
+            compute = later + e * padded_numel(block, 2)  # this unit's grads
+            final = 3 * e * padded_numel(root, 2) + e * shard_numel(root, 2) - acts
+            moments = {"head": head, "compute": compute, "at_hook": later, "final": final}
+            assert temp_bytes(model, rp, seq, mb, "fp32") == max(moments.values()), (name, mb)
+            winners[name, mb] = max(moments, key=moments.get)
+    # with one sequence per micro-batch the loss gradient and the freed activations are
+    # small, so a later unit's backward is the peak; with 8 the head's backward is
+    assert winners == {("blocks", 1): "compute", ("titan", 1): "compute",
+                       ("blocks", 8): "head", ("titan", 8): "head"}
+
+
+def test_temp_bytes_count_the_os_reduce_scatter_of_a_syncing_hook():
+    """s_g = s_p = 1 < s_os: the syncing hook packs the accumulated G for the reduce-scatter
+    over "os" (k_os * OS_u) and receives OS_u, beside the unit's grads and their flat copy."""
+    import dataclasses
+
+    from amsp_dtensor.cost.memory import temp_bytes
+
+    titan = dataclasses.replace(MODELS["llama3_debugmodel"], layout="titan")
+    e, seq, mb, V = 4, 64, 1, titan.vocab_size
+    block = [p.shape for p in titan.block_params()]
+    numel = padded_numel(block, 1)
     loss_grad = seq * mb * (4 + e) * V
-    # hook input P_u of the largest unit, k_g = 1: nothing packed
-    # "blocks": the root (embeddings, norm, output) stays gathered and is the largest unit
-    root = [(V, d), (d,), (V, d)]
-    want = e * (2 * padded_block + padded_numel(root, 2))  # gathered
-    want += e * padded_numel(root, 2) + e * shard_numel(root, 2)  # its grads + hook input
-    assert temp_bytes(blocks, rp, seq, mb, "fp32") == want + loss_grad
-    # "titan": [norm, output] stays gathered; the largest unit is a block
-    norm_output = [(d,), (V, d)]
-    resharded = max((block, [(V, d)]), key=lambda u: padded_numel(u, 2))  # emb or a block
-    largest = max((block, norm_output, [(V, d)]), key=lambda u: padded_numel(u, 2))
-    want = e * (2 * padded_numel(resharded, 2) + padded_numel(norm_output, 2))
-    want += e * padded_numel(largest, 2) + e * shard_numel(largest, 2)
-    assert temp_bytes(titan, rp, seq, mb, "fp32") == want + loss_grad
+    for s_os in (1, 2, 4):
+        rp = ShardingPlan(1, 1, s_os).resolve(4, 2)
+        os_shard = shard_numel(block, s_os)
+        sync = e * (s_os * os_shard + os_shard) if s_os > 1 else 0
+        want = e * numel + e * numel + loss_grad + sync  # grads, flat copy, loss grad
+        assert temp_bytes(titan, rp, seq, mb, "fp32") == want, s_os
+
+
+def test_fsdp2_holds_what_the_backward_moments_count(tmp_path):
+    """What temp_bytes' moment 3 assumes of FSDP2, on a real one-rank model: while a later
+    unit computes its backward, the root's unsharded grads are alive (its post-backward
+    runs at the end) and exactly one reduce-scatter input is retained, the previous
+    unit's, as large as that unit's padded grads. A torch upgrade that changes either
+    breaks this test, and the memory model with it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    from amsp_dtensor import compat
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        model = nn.Sequential(nn.Embedding(50, 16), *[nn.Linear(16, 16) for _ in range(3)],
+                              nn.Linear(16, 50))
+        for unit in model[:4]:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root owns the output head
+        seen = []
+
+        def at_backward(unit, _grad_output):
+            seen.append((all(g is not None for g in compat.fsdp_unsharded_grads(model)),
+                         [t.numel() for t in compat.fsdp_retained_reduce_scatter_inputs(model)]))
+
+        for unit in model[1:4]:
+            unit.register_full_backward_pre_hook(at_backward)
+        model(torch.randint(0, 50, (2, 8))).sum().backward()
+        # backward runs model[3], model[2], model[1]: from the second on, the previous
+        # Linear's input (16 * 16 weight + 16 bias) is retained; the root's grads all along
+        assert seen == [(True, []), (True, [272]), (True, [272])]
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -32,10 +32,12 @@ The estimate is the larger of the two phases.
 Temporary buffers (D_tmp): gathered units (s_p > 1: the unit being computed plus the one
 prefetched, both unsharded e*padded(U, s_p); the unit kept unsharded after forward, the
 root or torchtitan's [norm, output], stays gathered from forward to backward), the
-unsharded gradient of the unit in backward (its reduce-scatter input), the engine's hook
+unsharded gradient of the unit in backward, FSDP2's reduce-scatter input, the engine's hook
 input P_u (FSDP2's reduce-scatter output, or the flat copy of the grads when s_p = 1) plus,
-with s_g > s_p, its packed copy and the output of the reduce-scatter over "g", and the loss
-gradient (fp32 and e-byte copies of the logits' gradient, 4V + eV per token).
+with s_g > s_p, its packed copy and the output of the reduce-scatter over "g", the loss
+gradient (fp32 and e-byte copies of the logits' gradient, 4V + eV per token). Not all of
+them are alive at once: ``temp_bytes`` takes the largest of the backward's peak moments
+(the Note after it), net of the activations freed by then.
 """
 
 from __future__ import annotations
@@ -216,10 +218,11 @@ def temp_bytes(
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
     reduce_dtype: str | None = None,
 ) -> int:
-    """Peak temporary buffers in backward (module docstring): gathered units, the unit's
-    unsharded grads, the loss gradient, a recomputed block under full checkpointing, and
-    hpZ's secondary param copies."""
+    """Peak temporary buffers in backward, net of the activations already freed at that
+    moment (so states + activations + temp is the backward's peak): the largest of the
+    moments in the Note below."""
     e = _dtype_bytes(mixed_precision)
+    r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     units = model.unit_param_shapes()
     # the unit kept unsharded after forward: the root ("blocks") or [norm, output]
     # ("titan"); every other unit is gathered for its compute and resharded after
@@ -236,22 +239,76 @@ def temp_bytes(
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             if 1 < reshard_after_forward < plan.s_p:  # hpZ secondary copy of every block
                 gathered += e * model.n_layers * shard_numel(block, reshard_after_forward)
-    r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
-    unit_grads = e * big_unit  # unsharded grads of the unit in backward
-    if r != e:
-        unit_grads += r * big_unit  # FSDP2 casts them to reduce_dtype for the reduce-scatter
-    # the engine's hook input, P_u: FSDP2's reduce-scatter output (s_p > 1) or the flat
-    # copy of the unit's grads (s_p = 1); with s_g > s_p the engine packs it for the
-    # reduce-scatter over "g" and receives that one's output (backward_peak.py, item 2)
-    sizes = unit_sizes(biggest, plan)
-    unit_grads += r * sizes.p
-    if plan.s_g > plan.s_p:
-        unit_grads += r * (sizes.g_packed + sizes.g)
-    loss_grad = tokens * (4 + e) * model.vocab_size
+
+    def hook(unit) -> int:
+        # the engine's hook input, P_u: FSDP2's reduce-scatter output (s_p > 1) or the
+        # flat copy of the unit's grads (s_p = 1); with s_g > s_p the engine packs it for
+        # the reduce-scatter over "g" and receives that one's output (backward_peak.py)
+        sizes = unit_sizes(unit, plan)
+        held = r * sizes.p
+        if plan.s_g > plan.s_p:
+            held += r * (sizes.g_packed + sizes.g)
+        return held
+
+    def os_sync(unit) -> int:
+        # a syncing hook that shrinks the accumulated G to the OS shard (s_g = s_p < s_os)
+        # holds the packed send buffer and the output of its reduce-scatter over "os"
+        sizes = unit_sizes(unit, plan)
+        return r * (sizes.os_packed + sizes.os) if plan.s_g == plan.s_p < plan.s_os else 0
+
     recompute = 0
     if activation_checkpointing == "full":
         recompute = tokens * block_activation_bytes_per_token(model, seq_len, e, attention, norm)
-    return gathered + unit_grads + loss_grad + recompute
+    # 1. the output head's backward (with s_p = 1, also the syncing hooks: moment 2)
+    unit_grads = e * big_unit  # unsharded grads of the unit in backward
+    if r != e:
+        unit_grads += r * big_unit  # FSDP2 casts them to reduce_dtype for the reduce-scatter
+    loss_grad = tokens * (4 + e) * model.vocab_size
+    head = gathered + unit_grads + hook(biggest) + loss_grad + recompute
+    if plan.s_p == 1:
+        return head + os_sync(biggest)
+    # 3. FSDP2 (s_p > 1): a later unit's backward and its hook, then the root's own
+    # post-backward at the very end (moments 3 and 4 of the Note)
+    root_numel, block_numel = padded_numel(root, plan.s_p), padded_numel(block, plan.s_p)
+    freed = tokens * root_activation_bytes_per_token(model, e, norm)
+    if activation_checkpointing == "full":
+        freed += tokens * e * model.dim  # the last block's checkpointed input
+    else:
+        freed += tokens * block_activation_bytes_per_token(model, seq_len, e, attention, norm)
+    later = gathered + e * root_numel + r * block_numel + hook(block) + recompute - freed
+    compute = later + e * block_numel  # this unit's unsharded grads, as they are produced
+    at_hook = later + os_sync(block)  # FSDP2 freed them once copied into its input
+    acts = activation_bytes(model, seq_len, micro_batch, mixed_precision,
+                            activation_checkpointing, attention, norm)
+    final = e * root_numel + (e + r) * root_numel + hook(root) + os_sync(root) - acts
+    return max(head, compute, at_hook, final)
+
+
+# [Note: the backward's peak moments] The sum of every buffer's own maximum overstates the
+# peak, and FSDP2 holds two buffers the engine never sees, so temp_bytes takes the largest
+# of three moments (on top of the states and all the saved activations):
+# 1. The output head's backward: the loss gradient (fp32 and e-byte copies of the logits'
+#    gradient), the gathered units, the largest unit's unsharded grads (and their
+#    reduce-dtype copy), the engine's hook input and, with s_g > s_p, the packed copy and
+#    output of the reduce-scatter over "g".
+# 2. The syncing hook of a unit when s_g = s_p < s_os: the accumulated G is packed for the
+#    reduce-scatter over "os" (k_os * OS_u) and its output (OS_u) is allocated while the
+#    hook input is still alive (grad.py `_issue_sync`; backward_peak.py, item 2). With
+#    s_p = 1 this is counted on top of moment 1 (an upper bound); with s_p > 1, at moment 3.
+# 3. With s_p > 1, the backward of every unit after the first to fire: FSDP2 keeps the
+#    root's unsharded grads until the end of backward (the root's forward input needs no
+#    grad, so its post-backward runs in the final callback), and keeps the previous unit's
+#    reduce-scatter input (its unsharded grads, padded, in the reduce dtype) alive while
+#    this unit computes (``reduce_scatter_max_input_buffers``, 1 by default, reclaimed in
+#    the next post-backward, just before that unit's own input is allocated). By then the
+#    loss gradient, the root's saved activations and the last block's are freed.
+# 4. With s_p > 1, the root's post-backward at the end: its gathered params, unsharded
+#    grads and reduce-scatter input, with every activation freed (it matters only when
+#    the root is large against the activations: a big vocabulary, full checkpointing).
+# Measured on the debug model (tools/bench_frontier.py, per-op samples of a steady-state
+# step, 25 plans at 2x2 and 4x2): within -1.6..+1.0 MB of the measured peaks, where the
+# upper-bound sum was -1.6..+3.5 MB. The peak-per-rank samples include gloo's buffers,
+# whose number in flight depends on timing.
 
 
 # [Note: gloo's staging buffer] On CPU, in-flight post-step all-gathers hold more than
