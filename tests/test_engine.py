@@ -50,13 +50,21 @@ def _errors_case(rank, world):
 
 @pytest.fixture(scope="module")
 def worlds():
-    """world size -> (results, references); each world runs on first use."""
-    runs = {}
+    """world size -> (results, references); each world runs on first use. A world whose
+    run failed fails every later test of it at once with the same error, instead of
+    running again (up to its timeout) for each."""
+    runs, failed = {}, {}
 
     def get(world):
+        if world in failed:
+            pytest.fail(f"the {world}-rank run failed earlier in this module: {failed[world]}")
         if world not in runs:
             extra = _errors_case if world == 4 else None
-            runs[world] = run_world(world, RANKS_PER_NODE[world], extra=extra)
+            try:
+                runs[world] = run_world(world, RANKS_PER_NODE[world], extra=extra)
+            except Exception as e:
+                failed[world] = f"{type(e).__name__}: {e}"[:2000]
+                raise
         return runs[world]
 
     return get
