@@ -119,6 +119,29 @@ def shard_model(model, mesh, sharding, policy=None, layout="blocks"):
     amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=policy)
 
 
+# [Note: one mesh per plan] Every gloo group keeps transport threads that poll while
+# idle (on this 2-core machine, 200 idle groups cost each rank about 0.16 s of CPU per
+# second), and each init_mesh makes four. A module that trains every plan in several
+# variants on one process group used to end with ~600 threads per rank, whose polling
+# took as much CPU as the training it tested. Cases of one plan therefore share its
+# mesh (a mesh holds groups only; every case builds its own model and optimizer).
+# Destroying a case's groups instead is not safe: DeviceMesh caches submeshes by value,
+# so a later equal mesh can be handed the destroyed groups.
+_MESHES: dict = {}
+
+
+def plan_mesh(sharding, ranks_per_node: int):
+    """The mesh of ``sharding`` for this process group, made on first use."""
+    import amsp_dtensor as amsp
+
+    key = (sharding.param, sharding.grad, sharding.optim, ranks_per_node,
+           dist.get_world_size(), id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node,
+                                      device_type="cpu")
+    return _MESHES[key]
+
+
 def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1,
                   overlap=False, reduce_dtype=None, read_steps=0, variant="", optimizer="adamw",
                   layout="blocks", overlaps=None, clip=True):
@@ -140,7 +163,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
 
     ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])
     sharding = amsp.ShardingPlan(*plan)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node, device_type="cpu")
+    mesh = plan_mesh(sharding, ranks_per_node)
     model = make_model(dtype, variant=variant)
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
     shard_model(model, mesh, sharding, policy, layout)
