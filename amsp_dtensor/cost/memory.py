@@ -286,7 +286,7 @@ def temp_bytes(
 
 # [Note: the backward's peak moments] The sum of every buffer's own maximum overstates the
 # peak, and FSDP2 holds two buffers the engine never sees, so temp_bytes takes the largest
-# of three moments (on top of the states and all the saved activations):
+# of four moments (on top of the states and all the saved activations):
 # 1. The output head's backward: the loss gradient (fp32 and e-byte copies of the logits'
 #    gradient), the gathered units, the largest unit's unsharded grads (and their
 #    reduce-dtype copy), the engine's hook input and, with s_g > s_p, the packed copy and
