@@ -18,8 +18,15 @@ GiB = 2**30
 PAPER = dict(seq_len=4096, micro_batch=1, micro_batches=1, world_size=1024, ranks_per_node=8)
 
 
-def test_best_is_fastest_fitting_plan():
-    r = choose_plan("llama_7b", memory_budget_bytes=80 * GiB, **PAPER)
+@pytest.fixture(scope="module")
+def paper_7b():
+    """LLaMA-7B on 1024 GPUs with 80 GiB each: one planner run (~2 s) for the tests that
+    only read it."""
+    return choose_plan("llama_7b", memory_budget_bytes=80 * GiB, **PAPER)
+
+
+def test_best_is_fastest_fitting_plan(paper_7b):
+    r = paper_7b
     fitting = [c for c in r.candidates if c.fits]
     assert len(r.candidates) == len(enumerate_plans(1024, 8))
     assert r.best is fitting[0]
@@ -32,8 +39,8 @@ def test_best_is_fastest_fitting_plan():
     assert r.to_toml().startswith("[amsp]\nparam_shard = ")
 
 
-def test_step_time_columns_are_consistent():
-    r = choose_plan("llama_7b", memory_budget_bytes=80 * GiB, **PAPER)
+def test_step_time_columns_are_consistent(paper_7b):
+    r = paper_7b
     for c in r.candidates[:5] + list(r.baselines.values()):
         st = c.step
         assert st.comm_sum_seconds == pytest.approx(c.comm_seconds)
@@ -42,10 +49,10 @@ def test_step_time_columns_are_consistent():
         assert st.exposed_comm_seconds == pytest.approx(st.seconds - st.compute_seconds)
 
 
-def test_fully_sharded_groups_use_the_node_nics():
+def test_fully_sharded_groups_use_the_node_nics(paper_7b):
     # ZeRO-3 at 1024 ranks: every all-gather spans 128 nodes with 8 ranks per node, so
     # the group has the node's 4 NICs (100 GB/s), not one GPU's share (12.5 GB/s).
-    r = choose_plan("llama_7b", memory_budget_bytes=80 * GiB, **PAPER)
+    r = paper_7b
     z3 = r.baselines["zero3"]
     ag = next(e for e in z3.events if e.op == "all_gather" and e.unit == 0)
     assert (ag.group_size, ag.group_nodes) == (1024, 128)
