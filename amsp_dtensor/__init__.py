@@ -10,7 +10,8 @@ from .cost.planner import choose_plan as auto_plan
 from .grad import no_sync, set_gradient_divide_factor
 from .layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS, gather_full
 from .mesh import init_mesh
-from .observe import CommEvent, CommRecorder, record_comms, track_backward_memory
+from .observe import CommEvent, CommRecorder, record_comms
+from .observe.backward_memory import track_backward_memory
 from .observe.memory import memory_by_state
 from .optim import AMSPOptimizer
 from .overlap import Overlap, set_overlap

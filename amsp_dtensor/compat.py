@@ -38,6 +38,10 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.cuda", "_sleep"),
     ("torch.distributed.fsdp", "FSDPModule._set_unshard_async_op"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch", "Tensor._version"),
+    ("torchtitan.config", "ConfigManager._maybe_load_toml"),
+    ("torchtitan.components.optimizer", "OptimizersContainer._validate_length"),
+    ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
 )
 
 
@@ -143,6 +147,11 @@ def global_offset(dtensor) -> tuple[int, ...]:
 def flatten_mesh(mesh, name: str):
     """A 1-D mesh over all of ``mesh``'s dims (DeviceMesh._flatten)."""
     return mesh._flatten(name)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place write counter autograd keeps on a tensor (shared with its views)."""
+    return t._version
 
 
 def set_pg_timeout(timeout, group) -> None:
@@ -273,6 +282,20 @@ def titan_extra_train_specs() -> dict:
     from torchtitan.protocols import train_spec
 
     return train_spec._extra_train_specs
+
+
+def titan_load_toml(manager, argv: list[str]) -> dict | None:
+    """The TOML file named by ``--job.config_file`` in ``argv``, parsed (None: none given),
+    as torchtitan 0.2.2's ConfigManager reads it before merging the command line."""
+    return manager._maybe_load_toml(argv)
+
+
+def titan_optimizers_container_init(container, all_params: list, optimizer_kwargs: dict) -> None:
+    """What torchtitan 0.2.2's OptimizersContainer.__init__ does after building its
+    optimizers: check one optimizer per model part, and register the parameters for its
+    step hooks and ``torch.optim.Optimizer`` bookkeeping."""
+    container._validate_length(len(container.model_parts))
+    container._post_init(all_params, optimizer_kwargs)
 
 
 def titan_builtin_models() -> frozenset:

@@ -44,11 +44,12 @@ def parse_job_config(argv: list[str]):
     import amsp_dtensor.titan  # noqa: F401  (CPU shims, the AMSP TrainSpecs)
     from torchtitan.config import ConfigManager
 
+    from amsp_dtensor import compat
     from amsp_dtensor.titan.validate import check_toml_keys
 
     manager = ConfigManager()
     try:
-        toml_values = manager._maybe_load_toml(argv)
+        toml_values = compat.titan_load_toml(manager, argv)
     except FileNotFoundError as e:
         raise UsageError(f"job.config_file: {e}") from None
     except Exception as e:  # tomllib.TOMLDecodeError

@@ -1,13 +1,16 @@
-"""Accounting of what the engine does: collectives issued, bytes held per state kind."""
+"""Accounting of what the engine does: collectives issued (recorder.py), bytes held per
+state kind (memory.py), gradient bytes during backward (backward_memory.py).
 
-from .backward_memory import BackwardMemoryTracker, track_backward_memory
-from .recorder import CommEvent, CommRecorder, record_comms, active_recorders
+This package's import runs whenever collectives.py imports the recorder, so it imports
+only the recorder: backward_memory.py and memory.py read the engine's state (state.py,
+which imports collectives.py) and are imported from their own modules.
+"""
+
+from .recorder import CommEvent, CommRecorder, active_recorders, record_comms
 
 __all__ = [
-    "BackwardMemoryTracker",
     "CommEvent",
     "CommRecorder",
     "record_comms",
     "active_recorders",
-    "track_backward_memory",
 ]

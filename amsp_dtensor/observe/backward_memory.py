@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:  # state.py imports observe/ (through collectives.py): import late
-    from ..state import AMSPState, AMSPUnit
+from ..state import AMSPState, AMSPUnit, find_state
+from .memory import memory_by_state
 
 __all__ = ["BackwardSample", "BackwardMemoryTracker", "track_backward_memory", "grad_census"]
 
@@ -122,9 +120,6 @@ class BackwardMemoryTracker:
 def track_backward_memory(model: nn.Module):
     """Census the gradient bytes of this rank at every unit's gradient hook while the
     block runs; yields a ``BackwardMemoryTracker``. ``model`` is the AMSP root."""
-    from ..state import find_state
-    from .memory import memory_by_state
-
     state = find_state(model)
     tracker = BackwardMemoryTracker(state, memory_by_state(model)["param"])
     state.unit_grad_observers.append(tracker)

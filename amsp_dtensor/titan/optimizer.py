@@ -19,6 +19,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 
+from .. import compat
 from .validate import AmspConfigError
 from .weights import clean_fqn
 
@@ -32,8 +33,7 @@ class AmspOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers = [amsp.AMSPOptimizer(m, optimizer_cls, **optimizer_kwargs) for m in model_parts]
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
-        self._validate_length(len(model_parts))
-        self._post_init(all_params, optimizer_kwargs)
+        compat.titan_optimizers_container_init(self, all_params, optimizer_kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the true global norm (model params have no .grad: grads live in the engine)."""
