@@ -14,6 +14,7 @@ from .observe import CommEvent, CommRecorder, record_comms
 from .observe.backward_memory import track_backward_memory
 from .observe.memory import memory_by_state
 from .optim import AMSPOptimizer
+from .param_update import ParamWrittenWhilePending
 from .overlap import Overlap, set_overlap
 from .plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
 from .shard import fully_shard
@@ -22,6 +23,7 @@ __all__ = [
     "AMSPOptimizer",
     "NoPlanFits",
     "Overlap",
+    "ParamWrittenWhilePending",
     "auto_plan",
     "predicted_events",
     "BASELINES",

@@ -297,8 +297,15 @@ def _param_grad_hook(unit: AMSPUnit):
 def reset_iteration(state: AMSPState) -> None:
     """After a forward or backward raised: complete what was issued (every rank issued the
     same), drop this iteration's gradients, reset FSDP2's per-iteration state, and put
-    every unit back to IDLE. Pending parameter updates are landed, not dropped."""
-    param_update.land_all(state.units)
+    every unit back to IDLE. Pending parameter updates are landed, not dropped (and a
+    ParamWrittenWhilePending from landing them is raised once the reset is complete)."""
+    try:
+        param_update.land_all(state.units)
+    finally:
+        _reset_gradients(state)
+
+
+def _reset_gradients(state: AMSPState) -> None:
     for entry in state.in_flight:
         entry.pending.wait()
     state.in_flight.clear()

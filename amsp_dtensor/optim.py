@@ -29,8 +29,11 @@ is AMSP's overlap (the paper overlaps this all-gather with the next forward; Meg
 ``overlap_param_gather`` is the same idea, also opt-in): ``step()`` returns with the
 all-gathers in flight, and each unit's forward pre-hook lands its own; until then the
 parameters read through ``model.parameters()`` are not all current (the previous step's,
-except, with fp32 params, the rows this rank updated itself). ``state_dict()``
-(the model's or the optimizer's) and ``wait_param_update()`` land them first.
+except, with fp32 params, the rows this rank updated itself). ``state_dict()`` and
+``load_state_dict()`` (the model's, a submodule's, the optimizer's) and
+``wait_param_update()`` land them first. An in-place write to a parameter before they
+have landed would be overwritten by the landing: it raises ParamWrittenWhilePending
+(param_update.py).
 """
 
 from __future__ import annotations
@@ -478,6 +481,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict from ``state_dict()``, possibly saved under another plan
         (values are resharded to this plan's OS layout)."""
+        # an update still in flight would land after the load and overwrite it
+        self.wait_param_update()
         if not isinstance(state_dict, dict) or not (
             {"state", "param_groups"} <= set(state_dict)
             <= {"state", "param_groups", "state_is_placeholder"}

@@ -294,7 +294,26 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
         m.register_forward_pre_hook(_unit_pre_forward(unit), prepend=True)
     if not uses_fsdp:
         _land_before_submodule_forward(unit)
+    _land_before_state_dicts(unit)
     return unit
+
+
+def _land_before_state_dicts(unit: AMSPUnit) -> None:
+    """``state_dict()`` and ``load_state_dict()`` of any module inside the unit (not only
+    of the root: ``model.layers[0].state_dict()``) land the model's in-flight updates
+    first, so a read sees the last step's weights and a load is not overwritten by an
+    update landing after it."""
+
+    def land_model(*_):
+        param_update.land_all(unit.state.units if unit.state is not None else [unit])
+
+    for top in unit.modules:
+        for sub in top.modules():
+            if getattr(sub, "_amsp_lands_on_state_dict", False):
+                continue
+            sub.register_state_dict_pre_hook(land_model)
+            sub.register_load_state_dict_pre_hook(land_model)
+            sub._amsp_lands_on_state_dict = True
 
 
 def _land_before_submodule_forward(unit: AMSPUnit) -> None:
@@ -380,6 +399,7 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
     module._amsp_state = state
     module._amsp_root_hooks = [
         module.register_state_dict_pre_hook(_land_updates_before_state_dict),
+        module.register_load_state_dict_pre_hook(_land_updates_before_load),
         module.register_forward_pre_hook(_root_pre_forward, prepend=True),
         module.register_forward_hook(_root_post_forward, always_call=False),
     ]
@@ -393,6 +413,7 @@ def _root_pre_forward(module, args):
             "collectives or FSDP state behind: call optimizer.zero_grad() (which resets the "
             "iteration) before running the model again"
         )
+    param_update.check_not_written(state.units)
     state.in_forward = True
 
 
@@ -405,4 +426,9 @@ def _root_post_forward(module, args, output):
 def _land_updates_before_state_dict(module, prefix, keep_vars):
     # model.state_dict() must see the weights of the last step, whose all-gather may
     # still be in flight (it is otherwise landed by the next forward).
+    param_update.land_all(find_state(module).units)
+
+
+def _land_updates_before_load(module, *_):
+    # and model.load_state_dict() must not be overwritten by such an update landing later
     param_update.land_all(find_state(module).units)

@@ -57,8 +57,9 @@ class AMSPUnit:
     # G reduced over all ranks (os_layout flat).
     grad_accum: torch.Tensor | None = None
     grad_synced: torch.Tensor | None = None
-    # SENDING: the post-step all-gather of the new P rows and its send buffer
-    pending_update: "tuple[PendingComm, torch.Tensor] | None" = None
+    # SENDING: the post-step all-gather of the new P rows, its send buffer, and the
+    # params' version counters when it was issued (param_update.py)
+    pending_update: "PendingUpdate | None" = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -91,6 +92,14 @@ class AMSPUnit:
             return [p.to_local() for p in self.params]
         return [p.data for p in self.params]
 
+    def write_versions(self) -> tuple[int, ...]:
+        """Version counters that move when a P shard is written in place: each param's
+        own (``p.mul_()``, ``p.copy_()``, ``load_state_dict``) and, for FSDP units, its
+        local tensor's (``p.to_local().mul_()``). A write through ``p.data`` moves neither."""
+        params = self.params
+        local = [p.to_local() for p in params] if self.uses_fsdp else []
+        return tuple(compat.tensor_version(t) for t in [*params, *local])
+
     def grad_dtype(self) -> torch.dtype:
         """dtype of G and of every gradient collective: the policy's reduce_dtype, else
         the parameters' dtype."""
@@ -111,6 +120,15 @@ class AMSPUnit:
                 f"now on {local[0].device}: move the model before amsp.fully_shard (or build "
                 "it on the target device), not after"
             )
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """A unit's post-step all-gather in flight (SENDING), with what landing it needs."""
+
+    comm: PendingComm  # the all-gather; its result holds every OS rank's new rows
+    send_buf: torch.Tensor  # this rank's new rows, alive until the all-gather completes
+    versions: tuple[int, ...]  # the unit's write_versions() when it was issued
 
 
 @dataclass

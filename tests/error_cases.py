@@ -43,6 +43,8 @@ EXPECTED = [
     ("model moved after sharding", RuntimeError, "move the model before amsp.fully_shard"),
     ("zero_grad keeping grads", ValueError, "set_to_none=False"),
     ("parameter storage replaced after the optimizer", RuntimeError, "storage was replaced"),
+    ("parameter written while its update is in flight", amsp.ParamWrittenWhilePending,
+     "call optimizer.wait_param_update() after step() and before editing parameters"),
 ]
 
 
@@ -114,6 +116,19 @@ def run_error_cases(rank, world):
         m.layers[0].attention.wq.weight.data = m.layers[0].attention.wq.weight.data.clone()
         optim.step()
 
+    def written_while_pending():
+        # overlap_param_update=True leaves the update in flight after step(); an in-place
+        # edit made before it lands would be overwritten by it, so the next forward refuses
+        m = sharded_model()
+        optim = amsp.AMSPOptimizer(m, torch.optim.AdamW, lr=1e-3, overlap_param_update=True)
+        tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(rank))
+        loss_fn(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+        optim.step()
+        optim.zero_grad()
+        with torch.no_grad():
+            m.layers[1].feed_forward.w1.weight.mul_(0.5)
+        m(tokens[:, :-1])
+
     fresh = sharded_model()
     fresh_optim = amsp.AMSPOptimizer(fresh, torch.optim.AdamW, lr=1e-3)
     cases = [
@@ -147,6 +162,7 @@ def run_error_cases(rank, world):
         moved_after_sharding,
         lambda: fresh_optim.zero_grad(set_to_none=False),
         replaced_after_optimizer,
+        written_while_pending,
     ]
     outcomes = []
     for (name, _, _), case in zip(EXPECTED, cases):

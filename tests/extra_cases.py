@@ -104,6 +104,56 @@ def run_extra_cases(rank, world):
         reference[name] = _reference_with_edit(rank, world)
     out["edited"] = edited
     out["edited_reference"] = reference
+    out["pending_io"] = {name: _state_dicts_with_an_update_in_flight(plan, rank, world)
+                         for name, plan in (("p2-g2-os4", (2, 2, 4)), ("p1-g1-os4", (1, 1, 4)))}
+    return out
+
+
+def _cloned(value):
+    """A copy of a state dict whose tensors (DTensors too) are cloned (a deepcopy would
+    try to copy the process groups of the DTensors' mesh)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _full_values(state_dict) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in state_dict.items()}
+
+
+def _state_dicts_with_an_update_in_flight(plan, rank, world):
+    """overlap_param_update=True, each check right after a step (its update in flight):
+    a submodule's state_dict() holds the step's weights; model.load_state_dict() and
+    optimizer.load_state_dict() of the states saved a step earlier are what the weights
+    hold afterwards (an update landing after them would overwrite them)."""
+    model = _build(plan)
+    optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=LR, overlap_param_update=True)
+    plain = _build(plan)
+    plain_optim = amsp.AMSPOptimizer(plain, torch.optim.AdamW, lr=LR)
+    _train(model, optim, rank, world, 1)
+    _train(plain, plain_optim, rank, world, 1)
+    out = {"pending_before_read": optim.param_update_pending}
+    got = _full_values(model.layers[1].state_dict())
+    want = _full_values(plain.layers[1].state_dict())
+    out["submodule_read_exact"] = all(torch.equal(got[k], want[k]) for k in want)
+    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved_optim = _cloned(optim.state_dict())
+    want = _full_values(saved_model)
+    _train(model, optim, rank, world, 1, first_step=1)
+    out["pending_before_model_load"] = optim.param_update_pending
+    model.load_state_dict(saved_model)
+    got = _full_values(model.state_dict())
+    out["model_load_kept"] = all(torch.equal(got[k], want[k]) for k in want)
+    _train(model, optim, rank, world, 1, first_step=2)
+    out["pending_before_optim_load"] = optim.param_update_pending
+    optim.load_state_dict(saved_optim)
+    got = _full_values(model.state_dict())
+    out["optim_load_kept"] = all(torch.equal(got[k], want[k]) for k in want)
     return out
 
 

@@ -139,6 +139,21 @@ def test_submodule_forward_lands_an_overlapped_update(world4):
         assert r["extra"]["submodule_output_equal"] is True
 
 
+def test_state_dicts_land_an_overlapped_update_first(world4):
+    """With the update in flight: a submodule's state_dict() reads the step's weights
+    (those of a run without the overlap), and loading an earlier model or optimizer
+    state is what the weights hold afterwards, not overwritten by the update landing."""
+    results, _ = world4
+    for rank, r in enumerate(results["extra"]):
+        for plan, got in r["extra"]["pending_io"].items():
+            assert got["pending_before_read"] is True, (rank, plan)
+            assert got["pending_before_model_load"] is True, (rank, plan)
+            assert got["pending_before_optim_load"] is True, (rank, plan)
+            assert got["submodule_read_exact"] is True, (rank, plan)
+            assert got["model_load_kept"] is True, (rank, plan)
+            assert got["optim_load_kept"] is True, (rank, plan)
+
+
 def test_an_in_place_edit_of_fp32_weights_is_what_the_next_step_updates(world4):
     """fp32 params are their own masters: halving a weight between two steps gives the
     weights single-process AdamW gives with the same edit."""

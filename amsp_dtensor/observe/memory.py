@@ -47,7 +47,7 @@ def step_buffer_bytes(model: nn.Module) -> dict[str, int]:
         if unit.grad_synced is not None:
             synced += unit.grad_synced.numel() * unit.grad_synced.element_size()
         if unit.pending_update is not None:
-            comm, send_buf = unit.pending_update
-            for t in (comm.result, send_buf):
+            pending = unit.pending_update
+            for t in (pending.comm.result, pending.send_buf):
                 gather += t.numel() * t.element_size()
     return {"synced_grad": synced, "gather": gather}
