@@ -17,8 +17,9 @@ A unit's gradient and its update pass through these states in every training ste
   for the last stage, in ``step()`` (unit by unit) or whatever next needs the gradients.
 - SYNCED: the step's G is reduced over all ranks, in the OS layout; the step may run.
 - SENDING: the new weights are in the fp32 masters, their all-gather into the P shards
-  is in flight (``overlap_param_update=True``); the next forward, ``state_dict()`` or
-  ``wait_param_update()`` lands it.
+  is in flight (``overlap_param_update=True``); the next forward, a ``state_dict()`` or
+  ``load_state_dict()`` or ``wait_param_update()`` lands it (param_update.py, which also
+  refuses a parameter written in place meanwhile).
 - UPDATED: the P shards hold the new weights; G is kept until ``zero_grad()``, as torch
   keeps ``.grad``. A backward without ``zero_grad()`` adds to it, as torch's would.
 

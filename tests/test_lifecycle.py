@@ -1,0 +1,79 @@
+"""The unit step lifecycle (lifecycle.py) and the mesh registry (mesh.py), in one process."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from amsp_dtensor.lifecycle import LifecycleError, StepLifecycle, StepState
+
+S = StepState
+# The transitions of the lifecycle Note, written out again: (from, to) pairs allowed
+# besides "any state -> IDLE" (zero_grad, reset after an exception).
+DOCUMENTED = {
+    (S.IDLE, S.ACCUMULATING), (S.IDLE, S.REDUCING),
+    (S.ACCUMULATING, S.ACCUMULATING), (S.ACCUMULATING, S.REDUCING),
+    (S.REDUCING, S.SYNCED),
+    (S.SYNCED, S.SENDING), (S.SYNCED, S.UPDATED),
+    # a backward after the sync and before the step adds to G, as DDP's would
+    (S.SYNCED, S.ACCUMULATING), (S.SYNCED, S.REDUCING),
+    (S.SENDING, S.UPDATED),
+    # the next step's backward (G kept until zero_grad, as torch keeps .grad)
+    (S.UPDATED, S.ACCUMULATING), (S.UPDATED, S.REDUCING),
+}
+
+
+def _at(state: StepState) -> StepLifecycle:
+    lifecycle = StepLifecycle("layers.0")
+    lifecycle.state = state
+    return lifecycle
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(S, S)),
+                         ids=lambda s: s.value)
+def test_every_transition_is_checked(src, dst):
+    lifecycle = _at(src)
+    if dst is S.IDLE or (src, dst) in DOCUMENTED:
+        lifecycle.to(dst)
+        assert lifecycle.state is dst
+    else:
+        with pytest.raises(LifecycleError, match=f"layers.0: {src.value} -> {dst.value}"):
+            lifecycle.to(dst)
+        assert lifecycle.state is src  # a refused transition changes nothing
+
+
+def test_one_training_step_walks_the_note():
+    lifecycle = StepLifecycle()
+    for state in (S.ACCUMULATING, S.REDUCING, S.SYNCED, S.SENDING, S.UPDATED, S.REDUCING,
+                  S.SYNCED, S.UPDATED, S.IDLE):
+        lifecycle.to(state)
+    assert lifecycle.state is S.IDLE
+
+
+def test_two_meshes_of_one_plan_keep_their_own_info(tmp_path):
+    """DeviceMesh compares by value: the registry must key by identity, so each of two
+    equal meshes has its own MeshInfo and keeps it when the other one is collected."""
+    import amsp_dtensor as amsp
+    from amsp_dtensor import compat
+    from amsp_dtensor.mesh import mesh_info
+
+    owned = not dist.is_initialized()
+    if owned:
+        compat.init_fake_process_group(rank=0, world_size=8)
+    try:
+        plan = amsp.ShardingPlan(2, 2, 4)
+        first = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu")
+        second = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu")
+        assert first == second  # by value, as DeviceMesh compares
+        info = mesh_info(second)
+        assert mesh_info(first) is not info and mesh_info(first).plan == info.plan
+        del first
+        gc.collect()
+        assert mesh_info(second) is info
+        assert (info.plan.s_p, info.plan.s_g, info.plan.s_os) == (2, 2, 4)
+    finally:
+        if owned:
+            dist.destroy_process_group()
