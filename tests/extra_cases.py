@@ -14,13 +14,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import amsp_dtensor as amsp
-from amsp_dtensor.testing.scenarios import LR, global_batches, local_micro_batch, make_model
+from amsp_dtensor.testing.scenarios import (
+    LR,
+    global_batches,
+    local_micro_batch,
+    make_model,
+    plan_mesh,
+)
 from amsp_dtensor.testing.tiny_llama import loss_fn
 
 
 def _build(plan, reshard_after_forward=None):
     sharding = amsp.ShardingPlan(*plan)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=2, device_type="cpu")
+    mesh = plan_mesh(sharding, 2)
     model = make_model(torch.float32)
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding, reshard_after_forward=reshard_after_forward)

@@ -18,6 +18,7 @@ from amsp_dtensor.testing.scenarios import (
     global_batches,
     local_micro_batch,
     make_model,
+    plan_mesh,
 )
 from amsp_dtensor.testing.tiny_llama import loss_fn
 
@@ -40,7 +41,7 @@ def _raise_in_backward(grad):
 
 def _train(rank, world, plan, fail_at=None):
     sharding = amsp.ShardingPlan(*plan)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=2, device_type="cpu")
+    mesh = plan_mesh(sharding, 2)
     model = make_model(torch.float32)
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding)

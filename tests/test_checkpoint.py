@@ -55,10 +55,10 @@ def _name(world, plan):
 
 def _build(world, plan, cfg=None, optimizer=torch.optim.AdamW, **kwargs):
     import amsp_dtensor as amsp
-    from amsp_dtensor.testing.scenarios import OPTIMIZERS, make_model
+    from amsp_dtensor.testing.scenarios import OPTIMIZERS, make_model, plan_mesh
 
     sharding = amsp.ShardingPlan(*plan)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=RANKS_PER_NODE[world], device_type="cpu")
+    mesh = plan_mesh(sharding, RANKS_PER_NODE[world])  # one mesh per plan: its Note
     model = make_model(torch.float32, cfg)
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding)

@@ -16,7 +16,7 @@ import torch
 
 from amsp_dtensor.plan import enumerate_plans
 from amsp_dtensor.testing.multiproc import run_on_ranks
-from amsp_dtensor.testing.scenarios import amsp_training, make_model, reference_training
+from amsp_dtensor.testing.scenarios import amsp_training, make_model, plan_mesh, reference_training
 from engine_cases import rel_diff
 
 pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
@@ -32,7 +32,7 @@ def _tied_split(rank, world, plan, separate):
     import amsp_dtensor as amsp
 
     sharding = amsp.ShardingPlan(*plan)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=PER_NODE, device_type="cpu")
+    mesh = plan_mesh(sharding, PER_NODE)
     model = make_model(torch.float32, variant="tied")
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding)
@@ -48,7 +48,7 @@ def _refused_optimizer(rank, world):
     import amsp_dtensor as amsp
 
     sharding = amsp.ShardingPlan(2, 2, 4)
-    mesh = amsp.init_mesh(sharding, ranks_per_node=PER_NODE, device_type="cpu")
+    mesh = plan_mesh(sharding, PER_NODE)
     model = make_model(torch.float32)
     for block in model.layers:
         amsp.fully_shard(block, mesh=mesh, plan=sharding)
