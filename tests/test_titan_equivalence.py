@@ -5,7 +5,9 @@ ranks, i.e. plan (W, W, W) done by torchtitan), with ``--amsp.init_like_single_p
 so its sharded weights start from the same full seeded initialisation AMSP uses (on CPU,
 DTensor random init depends on the layout; see amsp_dtensor/titan/weights.py).
 AMSP runs: (4, 4, 4) = ZeRO-3 by the engine, the recipe's (2, 2, 4), and (1, 1, 4) =
-ZeRO-1 (the engine's s_p = 1 path, without FSDP).
+ZeRO-1 (the engine's s_p = 1 path, without FSDP). The recipe plan's run is the first run
+of the feature tests below (full activation checkpointing and a checkpoint saved at step
+2, both exact: the same losses as without them), so it is launched once for both.
 The recipe is fp32 (training.dtype and mixed_precision_param), 2 micro-batches per step.
 """
 
@@ -27,7 +29,11 @@ def baseline(tmp_path_factory):
     return losses(dump)
 
 
-_CURVES: dict = {}  # plan -> loss curve of its run above (every overlap on)
+RECIPE_PLAN = (2, 2, 4)
+# the feature tests' first run: the recipe's plan with full activation checkpointing and a
+# checkpoint saved at step 2 (see below)
+FEATURES_FIRST = ["--training.steps", str(STEPS), "--checkpoint.enable",
+                  "--checkpoint.interval", "2", "--activation_checkpoint.mode", "full"]
 
 
 def _plan_args(plan) -> list[str]:
@@ -36,31 +42,30 @@ def _plan_args(plan) -> list[str]:
             "--amsp.optim_shard", str(s_os), "--training.steps", str(STEPS)]
 
 
-@pytest.mark.parametrize("plan", [(4, 4, 4), (2, 2, 4), (1, 1, 4)], ids=lambda p: "p{}-g{}-os{}".format(*p))
-def test_amsp_loss_curve_matches_torchtitan_fsdp(plan, baseline, tmp_path):
-    torchrun(_plan_args(plan), tmp_path)
-    curve = losses(tmp_path)
-    _CURVES[plan] = curve
+@pytest.mark.parametrize("plan", [(4, 4, 4), RECIPE_PLAN, (1, 1, 4)], ids=lambda p: "p{}-g{}-os{}".format(*p))
+def test_amsp_loss_curve_matches_torchtitan_fsdp(plan, baseline, tmp_path, request):
+    if plan == RECIPE_PLAN:
+        curve = request.getfixturevalue("features")["first_curve"]
+    else:
+        torchrun(_plan_args(plan), tmp_path)
+        curve = losses(tmp_path)
     assert len(curve) == len(baseline) == STEPS
     assert baseline[-1] < baseline[0] - 0.3  # it trains: the comparison is not of flat lines
     for step, (got, want) in enumerate(zip(curve, baseline), start=1):
         assert abs(got - want) <= REL_TOL * abs(want), (step, got, want, curve, baseline)
 
 
-def test_overlaps_off_give_the_same_losses_bit_for_bit(tmp_path):
-    """The recipe's plan with every overlap switched off in [amsp]: the same losses, to
-    the last bit, as with every overlap on (the runs above)."""
-    plan = (2, 2, 4)
-    if plan not in _CURVES:
-        on = tmp_path / "on"
-        torchrun(_plan_args(plan), on)
-        _CURVES[plan] = losses(on)
-    proc = torchrun(_plan_args(plan) + [
+def test_overlaps_off_give_the_same_losses_bit_for_bit(features, tmp_path):
+    """The recipe's run (the feature tests' first) again with every overlap switched off
+    in [amsp]: the same losses, to the last bit, as with every overlap on."""
+    proc = torchrun(FEATURES_FIRST + [
         "--amsp.no-overlap-grad-sync", "--amsp.no-overlap-prefetch",
         "--amsp.no-overlap-step", "--amsp.no-overlap-param-update"], tmp_path)
     assert ("AMSP Overlap(grad_sync=False, prefetch=False, step=False), "
             "overlap_param_update=False") in proc.stdout + proc.stderr
-    assert losses(tmp_path) == _CURVES[plan]
+    assert "AMSP Overlap(grad_sync=True, prefetch=True, step=True), " \
+        "overlap_param_update=True" in features["first_log"]
+    assert losses(tmp_path) == features["first_curve"]
 
 
 # --------------------------------------------------------------------------------------
@@ -85,8 +90,7 @@ def features(tmp_path_factory):
 
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
     first = tmp_path_factory.mktemp("features_first")
-    first_proc = torchrun(["--training.steps", str(STEPS), *ckpt,
-                           "--activation_checkpoint.mode", "full"], first)
+    first_proc = torchrun(FEATURES_FIRST, first)
     resumed = tmp_path_factory.mktemp("features_resumed")
     shutil.copytree(first / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
     resumed_proc = torchrun([
@@ -99,6 +103,7 @@ def features(tmp_path_factory):
     ], resumed)
     return {
         "first": scalars(first)["loss_metrics/global_avg_loss"],
+        "first_curve": losses(first),
         "first_log": first_proc.stdout + first_proc.stderr,
         "resumed": scalars(resumed)["loss_metrics/global_avg_loss"],
         "resumed_log": resumed_proc.stdout + resumed_proc.stderr,
