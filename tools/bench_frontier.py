@@ -9,8 +9,9 @@ tools/bench_overlap are kept as they are) and the chart docs/frontier_<N>x<R>.pn
 
     flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier \
         --nodes 2 --ranks-per-node 2 --bw 1gbit
-    flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier \
-        --nodes 4 --ranks-per-node 2 --bw 1gbit --steps 1
+    flock /tmp/amsp_cpu.lock timeout 2440 python -m tools.bench_frontier \
+        --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 \
+        --prune 0.1 --timeout 2400
 
 ``--from-json runs/frontier/frontier_2x2.json`` re-renders (planner picks included)
 without running anything; ``--no-netns`` runs on plain loopback (quick, unshaped).
@@ -180,11 +181,12 @@ system's fastest configuration under the cap is compared:
   at a plan's measured peak leaves that plan no slack in the model, with the budget at the
   mid-point between the cap and the next.
 
-Commands (one per scale; 8 and 18-23 minutes here):
+Commands (one per scale; 7-13 and 14-31 minutes here, depending on how busy the host is:
+each section gives its sweep's wall time, and its tokens/s compare within the section only):
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
-flock /tmp/amsp_cpu.lock timeout 1540 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 1500
+flock /tmp/amsp_cpu.lock timeout 2440 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 2400
 ```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
