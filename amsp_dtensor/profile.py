@@ -7,7 +7,7 @@ For every group shape that appears in any valid plan of this world (cost/comm.py
 "g", "os", "rep", "shard" groups and hpZ's intra-node group: arithmetic progressions of
 ranks, contiguous or strided), every rank joins its group of that shape and all groups run
 the collective at once, as in a training step (so groups that share a node's links contend
-as they would). Ops: all_gather_into_tensor, reduce_scatter_tensor, all_reduce, broadcast.
+as they would). Ops: all_gather_single, reduce_scatter_single, all_reduce, broadcast.
 Sizes: powers of 4 from --min-bytes to --max-bytes (nbytes = the recorder's convention:
 AG output, RS input, AR/BC tensor). Time per op: after warm-up, samples of ONE op each,
 started by a barrier of the whole world (so every group starts together and nobody
@@ -80,9 +80,9 @@ def groups_of(size: int, stride: int, world_size: int) -> list[list[int]]:
 
 def _run(op, group, buf_in, buf_out, src):
     if op == "all_gather":
-        dist.all_gather_into_tensor(buf_out, buf_in, group=group)
+        dist.all_gather_single(buf_out, buf_in, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(buf_out, buf_in, group=group)
+        dist.reduce_scatter_single(buf_out, buf_in, group=group)
     elif op == "all_reduce":
         dist.all_reduce(buf_in, group=group)
     else:
