@@ -132,6 +132,10 @@ def _full_values(state_dict) -> dict:
             for k, v in state_dict.items()}
 
 
+def _all_equal(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def _state_dicts_with_an_update_in_flight(plan, rank, world):
     """overlap_param_update=True, each check right after a step (its update in flight):
     a submodule's state_dict() holds the step's weights; model.load_state_dict() and
@@ -146,20 +150,20 @@ def _state_dicts_with_an_update_in_flight(plan, rank, world):
     out = {"pending_before_read": optim.param_update_pending}
     got = _full_values(model.layers[1].state_dict())
     want = _full_values(plain.layers[1].state_dict())
-    out["submodule_read_exact"] = all(torch.equal(got[k], want[k]) for k in want)
-    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["submodule_read_exact"] = _all_equal(got, want)
+    saved_model = _cloned(model.state_dict())
     saved_optim = _cloned(optim.state_dict())
     want = _full_values(saved_model)
     _train(model, optim, rank, world, 1, first_step=1)
     out["pending_before_model_load"] = optim.param_update_pending
     model.load_state_dict(saved_model)
     got = _full_values(model.state_dict())
-    out["model_load_kept"] = all(torch.equal(got[k], want[k]) for k in want)
+    out["model_load_kept"] = _all_equal(got, want)
     _train(model, optim, rank, world, 1, first_step=2)
     out["pending_before_optim_load"] = optim.param_update_pending
     optim.load_state_dict(saved_optim)
     got = _full_values(model.state_dict())
-    out["optim_load_kept"] = all(torch.equal(got[k], want[k]) for k in want)
+    out["optim_load_kept"] = _all_equal(got, want)
     return out
 
 

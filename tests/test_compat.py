@@ -5,6 +5,7 @@ accessors on a real one-rank FSDP2 model. A failure names the internal that move
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -60,30 +61,48 @@ def test_no_private_torch_names_outside_compat():
     not define itself (the project's own private attributes, methods and classes are
     collected from its source: whatever ``_name`` is left must be someone else's)."""
     own = _names_defined_in_the_package()
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.name == "compat.py":
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                    ("torch", "torchtitan")):
-                if any(part.startswith("_") for part in node.module.split(".")):
-                    offenders.append(f"{path.name}:{node.lineno} from {node.module}")
-                offenders += [f"{path.name}:{node.lineno} import {a.name}"
-                              for a in node.names if a.name.startswith("_")]
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                    and not node.attr.startswith("__") and node.attr not in own):
-                offenders.append(f"{path.name}:{node.lineno} .{node.attr}")
+    offenders = [f"{path.name}:{line}" for path, tree in _package_trees().items()
+                 if path.name != "compat.py" for line in _private_names_used(tree, own)]
     assert offenders == []
 
 
-def _names_defined_in_the_package() -> set[str]:
+def test_the_scan_for_private_names_finds_one():
+    """The scan above, on lines that reach into FSDP2, flags them (it can fail)."""
+    tree = ast.parse("from torch.distributed.fsdp._fully_shard import _fsdp_state\n"
+                     "group = module._get_fsdp_state()._fsdp_param_group\n")
+    found = _private_names_used(tree, _names_defined_in_the_package())
+    assert found == ["1 from torch.distributed.fsdp._fully_shard", "1 import _fsdp_state",
+                     "2 ._fsdp_param_group", "2 ._get_fsdp_state"]
+
+
+def _private_names_used(tree: ast.AST, own: set[str]) -> list[str]:
+    """"<line> <what>" for each private torch / torchtitan name the tree uses."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                ("torch", "torchtitan")):
+            if any(part.startswith("_") for part in node.module.split(".")):
+                found.append(f"{node.lineno} from {node.module}")
+            found += [f"{node.lineno} import {a.name}"
+                      for a in node.names if a.name.startswith("_")]
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and node.attr not in own):
+            found.append(f"{node.lineno} .{node.attr}")
+    return found
+
+
+@functools.cache
+def _package_trees() -> dict[pathlib.Path, ast.Module]:
+    return {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+@functools.cache
+def _names_defined_in_the_package() -> frozenset[str]:
     """Every name amsp_dtensor binds: functions, classes, assigned names and attributes,
     arguments, dataclass fields, import aliases."""
     names = set()
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for tree in _package_trees().values():
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
@@ -96,16 +115,7 @@ def _names_defined_in_the_package() -> set[str]:
                 names.add(node.asname or node.name.split(".")[0])
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
-    return names
-
-
-def test_the_scan_for_private_names_finds_one():
-    """The scan above, on a line that reaches into FSDP2, flags it (it can fail)."""
-    tree = ast.parse("state = module._get_fsdp_state()._fsdp_param_group\n")
-    own = _names_defined_in_the_package()
-    found = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-             and n.attr.startswith("_") and n.attr not in own]
-    assert found == ["_fsdp_param_group", "_get_fsdp_state"]
+    return frozenset(names)
 
 
 def test_no_import_cycle_inside_the_package():
@@ -115,12 +125,12 @@ def test_no_import_cycle_inside_the_package():
     import x`` runs observe/__init__.py). The top package's ``__init__`` is the public
     entry point that imports everything, so it is not counted as such an edge."""
     graph = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path, tree in _package_trees().items():
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
         name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         package = name if rel.name == "__init__" else name.rsplit(".", 1)[0]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = _absolute(node, package)
                 if base and base.startswith("amsp_dtensor"):
