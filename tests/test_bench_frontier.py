@@ -198,6 +198,13 @@ def test_section_and_document_keep_other_scales_and_overlap(tmp_path):
     sec_mem = R.section(data, "python -m tools.bench_frontier --nodes 2", "frontier_2x2.png")
     assert "2 warm-up steps, then 1 timed step(s); in repetition 0, 1 more untimed step(s) " \
            "after the timed ones, sampled per op for the peak" in sec_mem
+    data["meta"].update(pruned=["hpz"], kept=["amsp:p2-g2-os4", "amsp:p1-g1-os2"])
+    data["meta"]["args"]["prune"] = 0.1
+    sec_cut = R.section(data, "python -m tools.bench_frontier --nodes 2", "frontier_2x2.png")
+    assert "at no more peak memory (off their system's frontier) ran no further " \
+           "repetitions: hpZ (2nd shard 2). Never cut, so that the planner's slowdowns " \
+           "compare full repetitions: the plans the planner can pick at some cap (AMSP " \
+           "p2-g2-os4, AMSP p1-g1-os2)." in sec_cut
     other = "<!-- frontier-4x2:begin -->\n## 4x2, measured before\n<!-- frontier-4x2:end -->"
     overlap = "<!-- overlap:begin -->\n## Overlap\n| kept | verbatim |\n<!-- overlap:end -->"
     old = "# old title\n\nold text\n\n" + other + "\n\nstale\n\n" + \
@@ -275,6 +282,41 @@ def test_dominated_configurations_are_pruned_within_their_system():
     assert F.dominated(results, 0.10, 1000) == ["amsp:p1-g4-os4", "amsp:p1-g8-os8"]
     assert F.dominated(results, 0.20, 1000) == ["amsp:p1-g4-os4"]
     assert F.dominated(results, 0.0, 1000) == []
+    # a kept configuration is never cut; the others are judged as before
+    keep = frozenset({"amsp:p1-g8-os8"})
+    assert F.dominated(results, 0.10, 1000, keep) == ["amsp:p1-g4-os4"]
+    args = F.parse_args(["--out", "x", "--keep", "amsp:p1-g1-os2,hsdp"])
+    assert F.parse_args(F.frontier_argv(args) + ["--out", "x"]).keep == args.keep
+
+
+def test_possible_picks_are_every_pick_the_planner_makes_at_any_budget():
+    """The planner asked at every plan's estimate gives the same picks as asked on a fine
+    grid of budgets over the whole range (2 nodes x 2 ranks, alpha-beta at 1 Gbit/s)."""
+    from amsp_dtensor.cost.planner import NoPlanFits
+    from tools import bench_frontier as B
+    from tools import bench_systems as S
+    from tools import bench_worker as W
+    from tools import frontier_worker as F
+
+    args = F.parse_args(["--out", "x"])
+    models = B.time_models(args, 2, None, 125e6)
+    assert [name for name, _, _ in models] == ["link"]
+    picks = B.possible_picks(args, 4, 2, models)
+    model_args = S.model_args(args.flavor, args.seq)
+    args.mem_budget_gib = 2.0 ** 20
+    _, summary, _ = W.planner_choice(args, model_args, 4, 2, bandwidth=models[0][2])
+    estimates = sorted(c["memory"] for c in summary["candidates"])
+    lo, hi, n = 0.9 * estimates[0], 1.1 * estimates[-1], 40
+    on_grid = set()
+    for i in range(n):
+        args.mem_budget_gib = lo * (hi / lo) ** (i / (n - 1)) / 2**30
+        try:
+            plan, _, _ = W.planner_choice(args, model_args, 4, 2, bandwidth=models[0][2])
+        except NoPlanFits:
+            continue
+        on_grid.add(f"amsp:{plan.name}")
+    assert len(on_grid) >= 3 and picks == sorted(on_grid)
+    assert set(picks) < {k for k in F.sweep(4, 2) if k.startswith("amsp:")}
 
 
 def test_planner_misses_are_explained_by_memory_or_time_model():

@@ -47,7 +47,6 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
     which a reserve stands for, is outside it by construction (as in the planner's CPU
     validation). The fitted variant adds the median over the measured AMSP plans of
     measured peak - estimate (at least 0), to show what a calibrated reserve would do."""
-    from amsp_dtensor.cost import AlphaBeta
     from amsp_dtensor.cost.planner import NoPlanFits
     from tools import bench_systems as S
     from tools import bench_worker as W
@@ -73,20 +72,9 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
                 "built, so the runtime a reserve stands for is outside them; " + gap_note)
     else:
         note = "given with --planner-reserve-mb; " + gap_note
-    # alpha-beta's inter_bw is one rank's share of its node's link (cost/comm.py)
-    link = AlphaBeta(intra_bw=args.intra_bw, inter_bw=meta["link_rate"] / rpn,
-                     intra_alpha=20e-6, inter_alpha=50e-6) if meta.get("link_rate") else None
-    models = []  # (name, description, time model, reserve, budget rule)
-    if data.get("profile"):
-        table = _table(data["profile"])
-        models.append(("profile", "the profile table of this cluster "
-                       "(amsp_dtensor.profile, run on it before the sweep)", table,
-                       reserve_bytes, "cap"))
-    if link is not None:
-        models.append(("link", f"alpha-beta: {link.inter_bw / R.MB:.1f} MB/s per rank across "
-                       f"nodes (the {meta['link_rate'] / R.MB:.0f} MB/s link shared by "
-                       f"{rpn} ranks), {link.intra_bw / R.MB:.0f} MB/s inside a node",
-                       link, reserve_bytes, "cap"))
+    # (name, description, time model, reserve, budget rule)
+    models = [(name, desc, model, reserve_bytes, "cap") for name, desc, model in
+              time_models(args, rpn, data.get("profile"), meta.get("link_rate"))]
     caps = R.select_caps(rows, data.get("cap_mode", "peaks"))
     # the measured frontier is the same from one cap up to the next; a cap exactly at a
     # measured peak leaves the planner's memory model no slack for that plan, so the first
@@ -114,6 +102,55 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
         variants.append({"name": name, "desc": desc, "picks": picks})
     return {"estimates": estimates, "reserve_bytes": reserve_bytes, "reserve_note": note,
             "variants": variants}
+
+
+def time_models(args, rpn: int, profile: dict | None, link_rate: float | None) -> list:
+    """[(name, description, time model)]: the profile table of this cluster when there is
+    one, and alpha-beta at the shaped link rate when the link is shaped."""
+    from amsp_dtensor.cost import AlphaBeta
+
+    models = []
+    if profile:
+        models.append(("profile", "the profile table of this cluster (amsp_dtensor.profile, "
+                       "run on it before the sweep)", _table(profile)))
+    if link_rate:
+        # alpha-beta's inter_bw is one rank's share of its node's link (cost/comm.py)
+        link = AlphaBeta(intra_bw=args.intra_bw, inter_bw=link_rate / rpn,
+                         intra_alpha=20e-6, inter_alpha=50e-6)
+        models.append(("link", f"alpha-beta: {link.inter_bw / R.MB:.1f} MB/s per rank across "
+                       f"nodes (the {link_rate / R.MB:.0f} MB/s link shared by {rpn} ranks), "
+                       f"{link.intra_bw / R.MB:.0f} MB/s inside a node", link))
+    return models
+
+
+def possible_picks(args, world: int, rpn: int, models: list) -> list[str]:
+    """Every plan some time model of `models` picks at some memory budget, as sweep keys.
+
+    [Note: possible picks are never pruned]
+    The set of plans that fit changes only where the budget crosses a plan's estimate, so
+    asking the planner at each estimate (reserve 0; a reserve shifts every crossing by the
+    same amount) gives every pick it can make at any cap. The sweep exempts these from
+    --prune: the planner's slowdown at a cap compares its pick's median with the best
+    plan's, and one repetition of the pick against three of the best would let a single
+    noisy sample decide the comparison."""
+    from amsp_dtensor.cost.planner import NoPlanFits
+    from tools import bench_systems as S
+    from tools import bench_worker as W
+
+    args = copy.copy(args)
+    model_args = S.model_args(args.flavor, args.seq)
+    picks = set()
+    for _, _, model in models:
+        args.mem_budget_gib = 2.0 ** 20
+        _, summary, _ = W.planner_choice(args, model_args, world, rpn, bandwidth=model)
+        for budget in sorted({c["memory"] for c in summary["candidates"]}):
+            args.mem_budget_gib = budget / 2**30
+            try:
+                plan, _, _ = W.planner_choice(args, model_args, world, rpn, bandwidth=model)
+            except NoPlanFits:  # rounding at the boundary: the next estimate asks again
+                continue
+            picks.add(plan.name)
+    return sorted(f"amsp:{name}" for name in picks)
 
 
 def _table(profile: dict):
@@ -179,7 +216,10 @@ system's fastest configuration under the cap is compared:
   reserve stands for is outside them. Each section also shows the picks with a reserve
   fitted on that run (the median of measured peak - estimate), and, since a cap exactly
   at a plan's measured peak leaves that plan no slack in the model, with the budget at the
-  mid-point between the cap and the next.
+  mid-point between the cap and the next. Where the sweep cuts repetitions of
+  configurations far from their system's frontier (`--prune`, the 4x2 command), it never
+  cuts a plan the planner can pick at some cap (asked at every plan's estimate before the
+  sweep), so each slowdown compares medians of full repetitions.
 
 Commands (one per scale; 7-13 and 14-31 minutes here, depending on how busy the host is:
 each section gives its sweep's wall time, and its tokens/s compare within the section only):
@@ -297,6 +337,16 @@ def main(argv=None) -> int:
                 return rc or 1
             profile = json.loads(table.read_text())
             profile_s = time.time() - t0
+        if args.prune > 0:  # [Note: possible picks are never pruned]
+            world = args.nodes * args.ranks_per_node
+            link_rate = None if args.no_netns else inter_bw
+            swept = set(F.sweep_keys(args.configs, world, args.ranks_per_node))
+            keep = [k for k in possible_picks(
+                args, world, args.ranks_per_node,
+                time_models(args, args.ranks_per_node, profile, link_rate)) if k in swept]
+            own = [k.strip() for k in args.keep.split(",") if k.strip()]
+            args.keep = ",".join(sorted(set(own) | set(keep)))
+            print(f"never pruned (the planner's possible picks): {args.keep}", flush=True)
         out = Path(tmp) / "result.json"
         worker = ["-m", "tools.frontier_worker", *F.frontier_argv(args),
                   "--inter-bw", str(inter_bw if not args.no_netns else args.intra_bw),

@@ -506,7 +506,10 @@ def section(data: dict, command: str, png_name: str) -> str:
             f"same system beat by >= {a.get('prune', 0):.0%} in tokens/s at no more peak "
             f"memory (off their system's frontier) ran no further repetitions: "
             + ", ".join(config_label(k, meta["ranks_per_node"]) for k in meta["pruned"])
-            + ".")
+            + "." + (" Never cut, so that the planner's slowdowns compare full repetitions: "
+                     "the plans the planner can pick at some cap ("
+                     + ", ".join(config_label(k, meta["ranks_per_node"])
+                                 for k in meta["kept"]) + ")." if meta.get("kept") else ""))
     if meta.get("profile_command"):
         parts.append(f"- Bandwidth profile for the planner, on the same emulated cluster "
                      f"before the sweep ({meta.get('profile_s', 0):.0f} s): "

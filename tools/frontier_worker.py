@@ -80,9 +80,12 @@ def add_frontier_args(ap: argparse.ArgumentParser) -> None:
                     help="after repetition 0, run no more repetitions of a configuration "
                          "that another of the same system beats by this margin (e.g. 0.1: "
                          ">= 1.1x its tokens/s) at no more peak memory; 0 = off")
+    ap.add_argument("--keep", default="",
+                    help="comma-separated configuration keys --prune never cuts "
+                         "(tools/bench_frontier adds the planner's possible picks)")
 
 
-FRONTIER_DESTS = ("configs", "steps_for", "reps_for", "mem_steps", "prune")
+FRONTIER_DESTS = ("configs", "steps_for", "reps_for", "mem_steps", "prune", "keep")
 
 
 def frontier_argv(args: argparse.Namespace) -> list[str]:
@@ -100,6 +103,13 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def sweep_keys(configs: str, world: int, rpn: int) -> list[str]:
+    """The configurations --configs names: 'all' is the whole sweep."""
+    if configs == "all":
+        return sweep(world, rpn)
+    return [k.strip() for k in configs.split(",") if k.strip()]
+
+
 def schedule(keys: list[str], reps: int, steps: int, reps_for: dict, steps_for: dict):
     """[(rep, key, timed steps)] in run order: configurations interleaved in each rep."""
     unknown = sorted((set(reps_for) | set(steps_for)) - set(keys))
@@ -111,11 +121,13 @@ def schedule(keys: list[str], reps: int, steps: int, reps_for: dict, steps_for: 
             for key in keys if rep < reps_for.get(key, reps)]
 
 
-def dominated(results: list[dict], margin: float, tokens: int) -> list[str]:
+def dominated(results: list[dict], margin: float, tokens: int,
+              keep: frozenset[str] = frozenset()) -> list[str]:
     """Configurations off their own system's frontier by `margin`, from one repetition's
     results: another configuration of the same system peaks at no more memory and runs
-    >= (1 + margin) x its tokens/s. Step times and peaks in the results are the same on
-    every rank (reduced over ranks), so every rank reaches the same list."""
+    >= (1 + margin) x its tokens/s; never one in `keep`. Step times and peaks in the
+    results are the same on every rank (reduced over ranks), so every rank reaches the
+    same list."""
     from tools.frontier_report import family
 
     if margin <= 0:
@@ -123,8 +135,9 @@ def dominated(results: list[dict], margin: float, tokens: int) -> list[str]:
     facts = [(r["config"], family(r["config"]), max(r["peak_bytes_per_rank"]),
               tokens * len(r["step_times"]) / sum(r["step_times"])) for r in results]
     return [key for key, fam, peak, tps in facts
-            if any(f == fam and k != key and p <= peak and t >= (1 + margin) * tps
-                   for k, f, p, t in facts)]
+            if key not in keep
+            and any(f == fam and k != key and p <= peak and t >= (1 + margin) * tps
+                    for k, f, p, t in facts)]
 
 
 def build_groups(key: str, meshes, plan) -> None:
@@ -149,8 +162,11 @@ def main(argv=None) -> int:
     model_args = S.model_args(args.flavor, args.seq)
     meshes = S.MeshCache(world, rpn)
 
-    keys = sweep(world, rpn) if args.configs == "all" else \
-        [k.strip() for k in args.configs.split(",") if k.strip()]
+    keys = sweep_keys(args.configs, world, rpn)
+    keep = frozenset(k.strip() for k in args.keep.split(",") if k.strip())
+    unknown = sorted(keep - set(keys))
+    if unknown:
+        raise SystemExit(f"--keep names configurations not in the sweep: {unknown}")
     plans = {k: W.parse_plan(k.split(":", 1)[1], world, rpn) for k in keys
              if k.startswith("amsp:")}
     runs = schedule(keys, args.reps, args.steps, parse_counts(args.reps_for),
@@ -169,8 +185,8 @@ def main(argv=None) -> int:
     t_start = time.time()
     for rep, key, steps in runs:
         if rep > 0 and not pruned and args.prune > 0:
-            pruned = dominated([r for r in results if r["rep"] == 0], args.prune, tokens) \
-                or ["(none)"]
+            pruned = dominated([r for r in results if r["rep"] == 0], args.prune, tokens,
+                               keep) or ["(none)"]
             if rank == 0:
                 print(f"pruned after rep 0 (margin {args.prune}): {pruned}", flush=True)
         if key in pruned:
@@ -196,6 +212,7 @@ def main(argv=None) -> int:
             "nodes": world // rpn, "configs": keys,
             "model": {"flavor": args.flavor, "params": n_params, "args": repr(model_args)},
             "tokens_per_step": tokens, "pruned": [k for k in pruned if k != "(none)"],
+            "kept": sorted(keep),
             "setup": setup,
             "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
             "machine": W.machine_facts(),
