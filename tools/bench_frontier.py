@@ -9,9 +9,9 @@ tools/bench_overlap are kept as they are) and the chart docs/frontier_<N>x<R>.pn
 
     flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier \
         --nodes 2 --ranks-per-node 2 --bw 1gbit
-    flock /tmp/amsp_cpu.lock timeout 2440 python -m tools.bench_frontier \
+    flock /tmp/amsp_cpu.lock timeout 3040 python -m tools.bench_frontier \
         --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 \
-        --prune 0.1 --timeout 2400
+        --prune 0.1 --timeout 3000
 
 ``--from-json runs/frontier/frontier_2x2.json`` re-renders (planner picks included)
 without running anything; ``--no-netns`` runs on plain loopback (quick, unshaped).
@@ -226,7 +226,7 @@ each section gives its sweep's wall time, and its tokens/s compare within the se
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
-flock /tmp/amsp_cpu.lock timeout 2440 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 2400
+flock /tmp/amsp_cpu.lock timeout 3040 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 3000
 ```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
