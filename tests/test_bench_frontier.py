@@ -317,6 +317,11 @@ def test_possible_picks_are_every_pick_the_planner_makes_at_any_budget():
         on_grid.add(f"amsp:{plan.name}")
     assert len(on_grid) >= 3 and picks == sorted(on_grid)
     assert set(picks) < {k for k in F.sweep(4, 2) if k.startswith("amsp:")}
+    # the command's own options: the user's --keep joins them; --configs limits them
+    own = B.parser().parse_args(["--prune", "0.1", "--keep", "hsdp"])
+    assert B.sweep_keep(own, None, 125e6).split(",") == sorted(["hsdp", *picks])
+    few = B.parser().parse_args(["--prune", "0.1", "--configs", f"ddp,{picks[0]}"])
+    assert B.sweep_keep(few, None, 125e6) == picks[0]
 
 
 def test_planner_misses_are_explained_by_memory_or_time_model():

@@ -153,6 +153,20 @@ def possible_picks(args, world: int, rpn: int, models: list) -> list[str]:
     return sorted(f"amsp:{name}" for name in picks)
 
 
+def sweep_keep(args, profile: dict | None, link_rate: float | None) -> str:
+    """--keep for the sweep: the configurations `args` keeps already, and the planner's
+    possible picks (profile and alpha-beta) among the configurations it sweeps. The planner
+    reads the workload as the workers parse it, defaults included, as planner_data does
+    after the sweep."""
+    world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
+    worker_args = F.parse_args(F.frontier_argv(args) + ["--out", "-"])
+    swept = set(F.sweep_keys(args.configs, world, rpn))
+    picks = possible_picks(worker_args, world, rpn,
+                           time_models(worker_args, rpn, profile, link_rate))
+    own = {k.strip() for k in args.keep.split(",") if k.strip()}
+    return ",".join(sorted(own | {k for k in picks if k in swept}))
+
+
 def _table(profile: dict):
     """A BandwidthTable from the profile's JSON dict (load_table reads a path)."""
     from amsp_dtensor.cost.bandwidth import load_table
@@ -277,8 +291,7 @@ def write(data: dict, doc: str, png_dir: str, command: str) -> str:
     return sec
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_frontier", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2)
@@ -306,7 +319,12 @@ def main(argv=None) -> int:
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
     ap.add_argument("--png-dir", default=str(REPO / "docs"))
     ap.add_argument("--from-json", help="only render the report from this result file")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
     reserve = None if args.planner_reserve_mb is None else args.planner_reserve_mb * R.MB
 
     if args.from_json:
@@ -338,14 +356,7 @@ def main(argv=None) -> int:
             profile = json.loads(table.read_text())
             profile_s = time.time() - t0
         if args.prune > 0:  # [Note: possible picks are never pruned]
-            world = args.nodes * args.ranks_per_node
-            link_rate = None if args.no_netns else inter_bw
-            swept = set(F.sweep_keys(args.configs, world, args.ranks_per_node))
-            keep = [k for k in possible_picks(
-                args, world, args.ranks_per_node,
-                time_models(args, args.ranks_per_node, profile, link_rate)) if k in swept]
-            own = [k.strip() for k in args.keep.split(",") if k.strip()]
-            args.keep = ",".join(sorted(set(own) | set(keep)))
+            args.keep = sweep_keep(args, profile, None if args.no_netns else inter_bw)
             print(f"never pruned (the planner's possible picks): {args.keep}", flush=True)
         out = Path(tmp) / "result.json"
         worker = ["-m", "tools.frontier_worker", *F.frontier_argv(args),
