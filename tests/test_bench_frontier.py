@@ -346,7 +346,15 @@ def test_planner_misses_are_explained_by_memory_or_time_model():
                                "p1-g1-os2 (106.0 vs 104.0 MB)")
     assert lines[1].startswith("Time model: at 73.0 MB it ranks p4-g4-os4 (250 tokens/s "
                                "measured") and "above p2-g2-os4 (500 tokens/s" in lines[1]
-    assert len(lines) == 3
+    assert len(lines) == 3 and "the model predicts" not in lines[1]
+    # with the model's step times: how far apart it put the two, and what was measured
+    # (p4-g4-os4 ran 4.0 s in every rep, p2-g2-os4 2.0, 2.5, 1.0 s: 250 vs 400-1000)
+    lines = R.planner_analysis(rows, prows, est, reserve=0,
+                               predicted={"p4-g4-os4": 1.0, "p2-g2-os4": 1.05})
+    assert lines[1].endswith("; the model predicts 1.000 s per step for p4-g4-os4 and 1.050 s "
+                             "for p2-g2-os4 (5% apart); measured, p2-g2-os4 is 100% faster, "
+                             "with min-max ranges that do not overlap (250-250 vs 400-1000 "
+                             "tokens/s).")
 
 
 def test_single_budget_report_renders_and_keeps_marked_sections(tmp_path):

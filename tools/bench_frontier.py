@@ -86,6 +86,11 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
                        "(the median gap, at least 0)", model, fitted, "cap"))
         models.append((f"{name}, mid-point budgets", desc + "; budget = the mid-point "
                        "between this cap and the next", model, reserve_bytes, "mid"))
+    predicted = {}  # the first model's predicted step time of every plan, for the analysis
+    if models:
+        args.mem_budget_gib = 2.0 ** 20
+        _, first, _ = W.planner_choice(args, model_args, world, rpn, bandwidth=models[0][2])
+        predicted = {c["plan"]: c["step_s"] for c in first["candidates"]}
     variants = []
     for name, desc, model, reserve, rule in models:
         picks = {}
@@ -101,7 +106,7 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
                 picks[repr(cap)] = None
         variants.append({"name": name, "desc": desc, "picks": picks})
     return {"estimates": estimates, "reserve_bytes": reserve_bytes, "reserve_note": note,
-            "variants": variants}
+            "predicted_step_s": predicted, "variants": variants}
 
 
 def time_models(args, rpn: int, profile: dict | None, link_rate: float | None) -> list:

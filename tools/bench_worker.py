@@ -138,7 +138,8 @@ def planner_choice(args, model_args, world, rpn, reserve_bytes: int = 0, bandwid
         "chosen_bytes_inter": best.bytes_inter, "chosen_bytes_intra": best.bytes_intra,
         "time_model": report.time_model,
         "candidates": [
-            {"plan": c.plan.name, "comm_s": c.comm_seconds, "memory": c.memory.total,
+            {"plan": c.plan.name, "comm_s": c.comm_seconds, "step_s": c.step_seconds,
+             "memory": c.memory.total,
              "fits": c.fits, "bytes_intra": c.bytes_intra, "bytes_inter": c.bytes_inter}
             for c in report.candidates],
     }

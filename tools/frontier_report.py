@@ -533,7 +533,8 @@ def section(data: dict, command: str, png_name: str) -> str:
     parts += ["", "### Why, from the recorded bytes and times", ""]
     parts += [f"- {line}" for line in analysis(rows, fr)]
     parts += [f"- Planner ({variants[0]['name']}). {line}" for line in planner_analysis(
-        rows, prows, planner.get("estimates", {}), planner.get("reserve_bytes", 0))]
+        rows, prows, planner.get("estimates", {}), planner.get("reserve_bytes", 0),
+        planner.get("predicted_step_s"))]
     parts += ["", "### The planner's pick at each cap, per time model", "",
               planner_table(fr, variants, vrows), ""]
     parts += ["", "### Each system's best tokens/s under each cap", "",
@@ -583,10 +584,11 @@ def analysis(rows: list[dict], fr: list[dict]) -> list[str]:
 
 
 def planner_analysis(rows: list[dict], prows: list[dict], estimates: dict,
-                     reserve: float) -> list[str]:
+                     reserve: float, predicted: dict | None = None) -> list[str]:
     """Where the planner's pick misses: plans whose measured peak exceeds its estimate (+
     reserve) by more than 2 MB, and each (pick, measured best) pair it got wrong, with the
-    bytes that separate them."""
+    bytes that separate them and, given the model's predicted step times (`predicted`,
+    plan -> s), how far apart it put them against how far apart they measured."""
     amsp = {r["key"].split(":", 1)[1]: r for r in rows if r["family"] == "amsp"}
     lines = []
     under = [(n, r["peak"], estimates[n] + reserve) for n, r in amsp.items()
@@ -619,8 +621,23 @@ def planner_analysis(rows: list[dict], prows: list[dict], estimates: dict,
             f"Time model: at {', '.join(f'{c / MB:.1f}' for c in caps)} MB it ranks {pick} "
             f"({a['tps']:.0f} tokens/s measured; {_mb(a['inter'])} MB inter-node, "
             f"{_mb(a['intra'])} MB intra-node buffers per step) above {best} ({b['tps']:.0f} "
-            f"tokens/s; {_mb(b['inter'])} / {_mb(b['intra'])} MB).")
+            f"tokens/s; {_mb(b['inter'])} / {_mb(b['intra'])} MB)" + _margins(
+                a, b, (predicted or {}).get(pick), (predicted or {}).get(best)) + ".")
     return lines
+
+
+def _margins(pick: dict, best: dict, pick_s: float | None, best_s: float | None) -> str:
+    """How far apart the model put two plans, and whether the measurement separates them."""
+    if pick_s is None or best_s is None:
+        return ""
+    p_name, b_name = pick["key"].split(":", 1)[1], best["key"].split(":", 1)[1]
+    overlap = pick["tps_min"] <= best["tps_max"] and best["tps_min"] <= pick["tps_max"]
+    return (f"; the model predicts {pick_s:.3f} s per step for {p_name} and {best_s:.3f} s "
+            f"for {b_name} ({abs(best_s / pick_s - 1):.0%} apart); measured, {b_name} is "
+            f"{best['tps'] / pick['tps'] - 1:.0%} faster, with min-max ranges that "
+            + ("overlap" if overlap else "do not overlap")
+            + f" ({pick['tps_min']:.0f}-{pick['tps_max']:.0f} vs "
+            f"{best['tps_min']:.0f}-{best['tps_max']:.0f} tokens/s)")
 
 
 def _why(b: dict, am: dict, rows: list[dict]) -> str:
