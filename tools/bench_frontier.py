@@ -55,9 +55,14 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
     args = argparse.Namespace(**meta["args"])
     world, rpn = meta["world"], meta["ranks_per_node"]
     model_args = S.model_args(args.flavor, args.seq)
-    args.mem_budget_gib = 2.0 ** 20  # everything fits: the estimates of every plan
-    _, summary, _ = W.planner_choice(args, model_args, world, rpn)
+    timings = time_models(args, rpn, data.get("profile"), meta.get("link_rate"))
+    # everything fits an unlimited budget: the memory estimate of every plan (the same for
+    # every time model) and the first model's predicted step times, for the analysis
+    args.mem_budget_gib = 2.0 ** 20
+    _, summary, _ = W.planner_choice(args, model_args, world, rpn,
+                                     bandwidth=timings[0][2] if timings else None)
     estimates = {c["plan"]: c["memory"] for c in summary["candidates"]}
+    predicted = {c["plan"]: c["step_s"] for c in summary["candidates"]} if timings else {}
     rows = R.summarize(data)
     gaps = [r["peak"] - estimates[r["key"].split(":", 1)[1]] for r in rows
             if r["family"] == "amsp" and r["key"].split(":", 1)[1] in estimates]
@@ -73,8 +78,7 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
     else:
         note = "given with --planner-reserve-mb; " + gap_note
     # (name, description, time model, reserve, budget rule)
-    models = [(name, desc, model, reserve_bytes, "cap") for name, desc, model in
-              time_models(args, rpn, data.get("profile"), meta.get("link_rate"))]
+    models = [(name, desc, model, reserve_bytes, "cap") for name, desc, model in timings]
     caps = R.select_caps(rows, data.get("cap_mode", "peaks"))
     # the measured frontier is the same from one cap up to the next; a cap exactly at a
     # measured peak leaves the planner's memory model no slack for that plan, so the first
@@ -86,11 +90,6 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
                        "(the median gap, at least 0)", model, fitted, "cap"))
         models.append((f"{name}, mid-point budgets", desc + "; budget = the mid-point "
                        "between this cap and the next", model, reserve_bytes, "mid"))
-    predicted = {}  # the first model's predicted step time of every plan, for the analysis
-    if models:
-        args.mem_budget_gib = 2.0 ** 20
-        _, first, _ = W.planner_choice(args, model_args, world, rpn, bandwidth=models[0][2])
-        predicted = {c["plan"]: c["step_s"] for c in first["candidates"]}
     variants = []
     for name, desc, model, reserve, rule in models:
         picks = {}
@@ -163,12 +162,14 @@ def sweep_keep(args, profile: dict | None, link_rate: float | None) -> str:
     possible picks (profile and alpha-beta) among the configurations it sweeps. The planner
     reads the workload as the workers parse it, defaults included, as planner_data does
     after the sweep."""
+    from tools import bench_worker as W
+
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
     worker_args = F.parse_args(F.frontier_argv(args) + ["--out", "-"])
     swept = set(F.sweep_keys(args.configs, world, rpn))
     picks = possible_picks(worker_args, world, rpn,
                            time_models(worker_args, rpn, profile, link_rate))
-    own = {k.strip() for k in args.keep.split(",") if k.strip()}
+    own = set(W.comma_list(args.keep))
     return ",".join(sorted(own | {k for k in picks if k in swept}))
 
 

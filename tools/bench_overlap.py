@@ -357,7 +357,7 @@ def steps_for_bw(spec: str, bw: str) -> str:
     """The worker's --steps-for at one bandwidth: "zero3@200mbit=1,hsdp=2" at 200mbit ->
     "zero3=1,hsdp=2", at 1gbit -> "hsdp=2"."""
     out = []
-    for item in [i.strip() for i in spec.split(",") if i.strip()]:
+    for item in W.comma_list(spec):
         key, sep, n = item.partition("=")
         system, at, only = key.partition("@")
         if at and only.strip().lower() != bw.strip().lower():
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=str(REPO / "docs" / "overlap.png"))
     ap.add_argument("--from-json", help="only render, from these result files (comma list)")
     args = ap.parse_args(argv)
-    bws = [b.strip() for b in args.bw.split(",") if b.strip()]
+    bws = W.comma_list(args.bw)
     if args.no_netns:
         bws = bws[:1]  # loopback: the bandwidth does not apply, one run
     total = int(args.timeout * len(bws)) + 30

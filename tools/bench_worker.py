@@ -81,6 +81,11 @@ def write_results(path: str, meta: dict, results: list) -> None:
     print(f"wrote {path}", flush=True)
 
 
+def comma_list(spec: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']: the items of a comma-separated option, blanks dropped."""
+    return [item.strip() for item in spec.split(",") if item.strip()]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
@@ -303,7 +308,7 @@ def main(argv=None) -> int:
 
     plan, planner, note = planner_choice(args, model_args, world, rpn)
     runs = []  # (key, plan)
-    for key in [k.strip() for k in args.systems.split(",") if k.strip()]:
+    for key in comma_list(args.systems):
         runs.append((key, plan if key == "amsp" else None))
     for name in [p for p in args.plans.split(",") if p.strip()]:
         extra = parse_plan(name, world, rpn)

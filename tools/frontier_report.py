@@ -589,6 +589,7 @@ def planner_analysis(rows: list[dict], prows: list[dict], estimates: dict,
     reserve) by more than 2 MB, and each (pick, measured best) pair it got wrong, with the
     bytes that separate them and, given the model's predicted step times (`predicted`,
     plan -> s), how far apart it put them against how far apart they measured."""
+    predicted = predicted or {}
     amsp = {r["key"].split(":", 1)[1]: r for r in rows if r["family"] == "amsp"}
     lines = []
     under = [(n, r["peak"], estimates[n] + reserve) for n, r in amsp.items()
@@ -622,7 +623,7 @@ def planner_analysis(rows: list[dict], prows: list[dict], estimates: dict,
             f"({a['tps']:.0f} tokens/s measured; {_mb(a['inter'])} MB inter-node, "
             f"{_mb(a['intra'])} MB intra-node buffers per step) above {best} ({b['tps']:.0f} "
             f"tokens/s; {_mb(b['inter'])} / {_mb(b['intra'])} MB)" + _margins(
-                a, b, (predicted or {}).get(pick), (predicted or {}).get(best)) + ".")
+                a, b, predicted.get(pick), predicted.get(best)) + ".")
     return lines
 
 

@@ -54,7 +54,7 @@ def sweep(world: int, rpn: int) -> list[str]:
 def parse_counts(spec: str) -> dict[str, int]:
     """'zero3=1,amsp:p4-g4-os4=1' -> {'zero3': 1, 'amsp:p4-g4-os4': 1}."""
     out = {}
-    for item in [x.strip() for x in spec.split(",") if x.strip()]:
+    for item in W.comma_list(spec):
         key, sep, n = item.rpartition("=")
         if not sep or not key or not n.isdigit() or int(n) < 1:
             raise SystemExit(f"bad count {item!r}: write KEY=N with N >= 1")
@@ -107,7 +107,7 @@ def sweep_keys(configs: str, world: int, rpn: int) -> list[str]:
     """The configurations --configs names: 'all' is the whole sweep."""
     if configs == "all":
         return sweep(world, rpn)
-    return [k.strip() for k in configs.split(",") if k.strip()]
+    return W.comma_list(configs)
 
 
 def schedule(keys: list[str], reps: int, steps: int, reps_for: dict, steps_for: dict):
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     meshes = S.MeshCache(world, rpn)
 
     keys = sweep_keys(args.configs, world, rpn)
-    keep = frozenset(k.strip() for k in args.keep.split(",") if k.strip())
+    keep = frozenset(W.comma_list(args.keep))
     unknown = sorted(keep - set(keys))
     if unknown:
         raise SystemExit(f"--keep names configurations not in the sweep: {unknown}")

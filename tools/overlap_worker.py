@@ -89,7 +89,7 @@ def overlap_argv(args: argparse.Namespace) -> list[str]:
 def steps_for(spec: str) -> dict[str, int]:
     """"zero3=1,hsdp=2" -> {"zero3": 1, "hsdp": 2}."""
     out = {}
-    for item in [i.strip() for i in spec.split(",") if i.strip()]:
+    for item in W.comma_list(spec):
         key, sep, n = item.partition("=")
         if not sep or not n.strip().isdigit() or int(n) < 1:
             raise SystemExit(f"--steps-for {item!r}: use SYSTEM=N with N >= 1")
@@ -98,7 +98,7 @@ def steps_for(spec: str) -> dict[str, int]:
 
 
 def _configs(spec: str) -> list[str]:
-    names = [c.strip() for c in spec.split(",") if c.strip()]
+    names = W.comma_list(spec)
     bad = [c for c in names if c not in CONFIGS]
     if bad:
         raise SystemExit(f"unknown overlap configuration(s) {bad}; use {list(CONFIGS)}")
@@ -185,7 +185,7 @@ def measure(key: str, plan, config: str, mode: str, args, model_args, meshes, wo
 
 def plan_runs(args, plan, world, rpn) -> list[tuple[str, object]]:
     runs = []
-    systems = [k.strip() for k in args.systems.split(",") if k.strip()]
+    systems = W.comma_list(args.systems)
     if "amsp" in systems:
         runs.append(("amsp", plan))
         for name in [p for p in args.plans.split(",") if p.strip()]:
@@ -199,7 +199,7 @@ def plan_runs(args, plan, world, rpn) -> list[tuple[str, object]]:
 def schedule(args, plan, world, rpn) -> list[tuple[str, object, str, str]]:
     """(key, plan, config, mode) of one repetition, in run order."""
     configs = _configs(args.configs)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = W.comma_list(args.modes)
     bad = [m for m in modes if m not in comm_modes.MODES]
     if bad:
         raise SystemExit(f"unknown comm mode(s) {bad}; use {list(comm_modes.MODES)}")
