@@ -632,21 +632,29 @@ def _margins(pick: dict, best: dict, pick_s: float | None, best_s: float | None)
     if pick_s is None or best_s is None:
         return ""
     p_name, b_name = pick["key"].split(":", 1)[1], best["key"].split(":", 1)[1]
-    overlap = pick["tps_min"] <= best["tps_max"] and best["tps_min"] <= pick["tps_max"]
     return (f"; the model predicts {pick_s:.3f} s per step for {p_name} and {best_s:.3f} s "
             f"for {b_name} ({abs(best_s / pick_s - 1):.0%} apart); measured, {b_name} is "
             f"{best['tps'] / pick['tps'] - 1:.0%} faster, with min-max ranges that "
-            + ("overlap" if overlap else "do not overlap")
-            + f" ({pick['tps_min']:.0f}-{pick['tps_max']:.0f} vs "
-            f"{best['tps_min']:.0f}-{best['tps_max']:.0f} tokens/s)")
+            + ("overlap" if _ranges_overlap(pick, best) else "do not overlap")
+            + f" ({_ranges(pick, best)})")
+
+
+def _ranges_overlap(a: dict, b: dict) -> bool:
+    """Whether two rows' measured min-max tokens/s ranges overlap (no measured difference)."""
+    return a["tps_min"] <= b["tps_max"] and b["tps_min"] <= a["tps_max"]
+
+
+def _ranges(a: dict, b: dict) -> str:
+    """'min-max vs min-max tokens/s' of two rows."""
+    return (f"{a['tps_min']:.0f}-{a['tps_max']:.0f} vs "
+            f"{b['tps_min']:.0f}-{b['tps_max']:.0f} tokens/s")
 
 
 def _why(b: dict, am: dict, rows: list[dict]) -> str:
     """One sentence on what separates a baseline from AMSP's best plan under the same cap."""
     notes = []
-    if b["tps_min"] <= am["tps_max"] and am["tps_min"] <= b["tps_max"]:
-        notes.append(f"The min-max ranges overlap ({b['tps_min']:.0f}-{b['tps_max']:.0f} vs "
-                     f"{am['tps_min']:.0f}-{am['tps_max']:.0f} tokens/s): not a measured "
+    if _ranges_overlap(b, am):
+        notes.append(f"The min-max ranges overlap ({_ranges(b, am)}): not a measured "
                      "difference")
     if b["wire"] is not None and am["wire"] is not None and b["wire"] < am["wire"] - 1e5:
         what = {"zero3_keep": "it keeps the gathered blocks from forward to backward "
