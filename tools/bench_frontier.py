@@ -10,8 +10,7 @@ tools/bench_overlap are kept as they are) and the chart docs/frontier_<N>x<R>.pn
     flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier \
         --nodes 2 --ranks-per-node 2 --bw 1gbit
     flock /tmp/amsp_cpu.lock timeout 3040 python -m tools.bench_frontier \
-        --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 \
-        --prune 0.1 --timeout 3000
+        --nodes 4 --ranks-per-node 2 --bw 1gbit --prune 0.1 --timeout 3000
 
 ``--from-json runs/frontier/frontier_2x2.json`` re-renders (planner picks included)
 without running anything; ``--no-netns`` runs on plain loopback (quick, unshaped).
@@ -214,11 +213,11 @@ system's fastest configuration under the cap is compared:
   = glibc malloc bytes in use minus before the build, sampled at every block boundary, at
   the output head, after every backward and after the optimizer step before `zero_grad`,
   and in the warm-up steps (untimed) after every aten op (tools/bench_memory.py), max over
-  ranks and repetitions. One warm-up step (the 4x2 command) is not enough for that: its
-  backward runs before the optimizer's states exist, so per-op samples of it alone miss
-  the steady-state backward peak (measured so, p1-g1-os1 peaked at 108.9 MB at 4x2 against
-  114.9 MB at 2x2, with the same states per rank). So the 4x2 command also runs, in
-  repetition 0, one untimed step after the timed one, sampled per op (`--mem-steps 1`).
+  ranks and repetitions. Both commands run 2 warm-up steps: the first step's backward runs
+  before the optimizer's states exist, so per-op samples of it alone miss the steady-state
+  backward peak (measured so, p1-g1-os1 peaked at 108.9 MB at 4x2 against 114.9 MB at
+  2x2, with the same states per rank). A run with `--warmup 1` needs `--mem-steps 1`:
+  in repetition 0, one untimed step after the timed ones, sampled per op.
   A configuration fits a cap when its peak is at or under it. The caps are the distinct measured peaks; each system's
   frontier is a step function of the cap, drawn in the chart of each section.
 - "AMSP waited s/step" = sum of the time the issuing thread of a rank waited in the
@@ -241,12 +240,15 @@ system's fastest configuration under the cap is compared:
   cuts a plan the planner can pick at some cap (asked at every plan's estimate before the
   sweep), so each slowdown compares medians of full repetitions.
 
-Commands (one per scale; 7-13 and 14-31 minutes here, depending on how busy the host is:
-each section gives its sweep's wall time, and its tokens/s compare within the section only):
+Commands (one per scale; on an idle host here about 11 and 38 minutes, longer when it is
+busy: each section gives its sweep's wall time, and its tokens/s compare within the section
+only). Where AMSP's fastest plan under a cap shards as the best baseline does (p8-g8-os8
+shards P, G and OS over all ranks, as ZeRO-3 reshard does), their ratio is host noise, not
+a difference between the systems: two 4x2 sweeps measured that pair at 1.22x and 0.74x.
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
-flock /tmp/amsp_cpu.lock timeout 3040 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --warmup 1 --steps 1 --mem-steps 1 --prune 0.1 --timeout 3000
+flock /tmp/amsp_cpu.lock timeout 3040 python -m tools.bench_frontier --nodes 4 --ranks-per-node 2 --bw 1gbit --prune 0.1 --timeout 3000
 ```
 
 **Emulated nodes** (tools/cluster). One network namespace per node plus one "switch"
@@ -344,6 +346,7 @@ def main(argv=None) -> int:
 
     from tools.cluster import ClusterSpec, LinkSpec, run_cluster
 
+    F.sweep_keys(args.configs, args.nodes * args.ranks_per_node, args.ranks_per_node)
     link = LinkSpec(bw=args.bw, delay=args.delay)
     inter_bw = link.rate_bytes()
     profile = None
