@@ -174,6 +174,11 @@ def test_targets_and_analysis_say_met_or_missed_with_numbers():
     assert "agree within 1e-05" in text
     why = "\n".join(R.analysis(rows, fr))
     assert "AMSP p4-g4-os4 peaks at 56.0 MB" in why and "70.0 MB: ZeRO-3 keep" in why
+    amsp_only = [r for r in rows if r["family"] == "amsp"]
+    fr = R.frontier(amsp_only, R.select_caps(amsp_only))
+    prows = R.planner_rows(amsp_only, fr, {repr(f["cap"]): None for f in fr})
+    text = "\n".join(R.targets(amsp_only, fr, prows, R.loss_check(amsp_only)))
+    assert "no baseline configuration fits any cap" in text and ">= 1.5x" not in text
 
 
 def test_section_and_document_keep_other_scales_and_overlap(tmp_path):
@@ -258,6 +263,12 @@ def test_sweep_covers_every_configuration_and_schedule_cuts():
         F.schedule(["a"], 3, 2, {"zz": 1}, {})
     with pytest.raises(SystemExit):
         F.parse_counts("zero3=0")
+    assert F.sweep_keys("all", 4, 2) == keys
+    assert F.sweep_keys("ddp, amsp:p2-g2-os4", 4, 2) == ["ddp", "amsp:p2-g2-os4"]
+    with pytest.raises(SystemExit, match="hsdp:4"):  # no shard-4 HSDP on 2 nodes x 2
+        F.sweep_keys("hsdp:4,amsp:p1-g1-os1", 4, 2)
+    with pytest.raises(SystemExit, match="no AMSP plan"):
+        F.sweep_keys("ddp,zero1", 4, 2)
     assert F.parse_counts("zero3=1, amsp:p4-g4-os4=2") == {"zero3": 1, "amsp:p4-g4-os4": 2}
     args = F.parse_args(["--out", "x", "--steps-for", "zero3=1", "--reps-for", "hpz=2",
                          "--mem-steps", "1"])

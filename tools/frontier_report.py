@@ -412,7 +412,11 @@ def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> 
     below = [f for f in with_base if f["ratio"] is None or f["ratio"] < TARGET_FLOOR]
     finite = [f for f in with_base if f["ratio"] is not None]
     worst = min(finite, key=lambda f: f["ratio"]) if finite else None
-    if not below:
+    if not with_base:
+        lines.append("AMSP against the baselines: no baseline configuration fits any cap "
+                     "of this run (none swept, or none under the largest cap), so neither "
+                     "target can be judged.")
+    elif not below:
         lines.append(f"AMSP >= {TARGET_FLOOR}x the best baseline at every cap where a "
                      f"baseline fits ({len(with_base)} caps): met; lowest "
                      f"{worst['ratio']:.2f}x at {worst['cap'] / MB:.1f} MB.")

@@ -104,10 +104,22 @@ def parse_args(argv=None):
 
 
 def sweep_keys(configs: str, world: int, rpn: int) -> list[str]:
-    """The configurations --configs names: 'all' is the whole sweep."""
+    """The configurations --configs names: 'all' is the whole sweep. A key outside the
+    sweep of this topology, or a list without an AMSP plan (the report compares AMSP's
+    frontier with the baselines'), is refused before anything runs."""
+    every = sweep(world, rpn)
     if configs == "all":
-        return sweep(world, rpn)
-    return W.comma_list(configs)
+        return every
+    keys = W.comma_list(configs)
+    unknown = [k for k in keys if k not in every]
+    if unknown:
+        raise SystemExit(f"--configs: {unknown} not in the sweep of {world} ranks, "
+                         f"{rpn} per node; its keys: {','.join(every)}")
+    if not any(k.startswith("amsp:") for k in keys):
+        raise SystemExit("--configs names no AMSP plan: the frontier compares AMSP with "
+                         "the baselines, so add one, e.g. "
+                         + next(k for k in every if k.startswith("amsp:")))
+    return keys
 
 
 def schedule(keys: list[str], reps: int, steps: int, reps_for: dict, steps_for: dict):
