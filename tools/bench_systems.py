@@ -154,7 +154,7 @@ class DDPSystem(System):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         self.name = "zero1" if zero1 else "ddp"
-        self.model = DDP(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+        self.model = DDP(model, forward_sync_buffers=False, gradient_as_bucket_view=True)
         self.model.register_comm_hook(None, allreduce_hook)
         if zero1:
             self.optim = ZeroRedundancyOptimizer(
