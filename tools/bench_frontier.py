@@ -245,6 +245,11 @@ busy: each section gives its sweep's wall time, and its tokens/s compare within 
 only). Where AMSP's fastest plan under a cap shards as the best baseline does (p8-g8-os8
 shards P, G and OS over all ranks, as ZeRO-3 reshard does), their ratio is host noise, not
 a difference between the systems: two 4x2 sweeps measured that pair at 1.22x and 0.74x.
+With only these configurations and more repetitions (`--nodes 4 --ranks-per-node 2
+--bw 1gbit --configs zero3,amsp:p8-g8-os8,amsp:p4-g4-os8 --reps 6 --no-profile --doc
+/tmp/pair.md --png-dir /tmp`, 552 s), p8-g8-os8 ran 360 (351-387) tokens/s, ZeRO-3 reshard 353
+(331-377) and p4-g4-os8 413 (381-440): 1.02x and 1.17x, where the full 4x2 sweep below
+has 0.74x and 0.88x.
 
 ```
 flock /tmp/amsp_cpu.lock timeout 1000 python -m tools.bench_frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
