@@ -44,6 +44,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from . import handle
+
 __all__ = ["CheckpointMismatch", "save", "load", "latest_step", "step_path"]
 
 FORMAT_VERSION = 1
@@ -157,7 +159,7 @@ def load(path: str | Path, model, optimizer=None, *, extra: dict | None = None,
     error, saved, state = None, None, None
     try:
         check_complete(path)
-        model_state = getattr(model, "_amsp_state", None)
+        model_state = handle.root_of(model)
         if optimizer is None and model_state is not None and model_state.optimizer_bound:
             raise CheckpointMismatch(
                 "this model already has an AMSPOptimizer, whose master weights would keep "

@@ -11,6 +11,10 @@ A unit's gradient and its update pass through these states in every training ste
     any state but SENDING --zero_grad()--> IDLE (SENDING keeps its update in flight)
     any state --reset after an exception (the update is landed first)--> IDLE
 
+Each state is a value that holds exactly the buffers it needs (unit.py: ``Accumulating``,
+``Reducing``, ``Synced``, ``Sending``, ``Updated``), and the unit's methods are the only
+code that replaces it, through ``check_transition`` below.
+
 - ACCUMULATING holds the step's partial G sums (G layout); no cross-replica traffic yet.
 - REDUCING: the last backward has issued the sync stages (reduce-scatter over "g" and/or
   "os", all-reduce over "rep"); they complete in later hooks, at the end of backward, or,
@@ -42,15 +46,16 @@ class StepState(enum.Enum):
     UPDATED = "updated"
 
 
+_I, _A, _R = StepState.IDLE, StepState.ACCUMULATING, StepState.REDUCING
 _ALLOWED: dict[StepState, frozenset[StepState]] = {
-    StepState.IDLE: frozenset({StepState.ACCUMULATING, StepState.REDUCING}),
-    StepState.ACCUMULATING: frozenset({StepState.ACCUMULATING, StepState.REDUCING}),
-    StepState.REDUCING: frozenset({StepState.SYNCED}),
+    StepState.IDLE: frozenset({_I, _A, _R}),
+    StepState.ACCUMULATING: frozenset({_I, _A, _R}),
+    StepState.REDUCING: frozenset({_I, StepState.SYNCED}),
     # another backward before the step adds to the synced G, as DDP's would
-    StepState.SYNCED: frozenset({StepState.ACCUMULATING, StepState.REDUCING, StepState.SENDING,
-                                 StepState.UPDATED}),
+    StepState.SYNCED: frozenset({_I, _A, _R, StepState.SENDING, StepState.UPDATED}),
+    # zero_grad() drops a SENDING unit's G but not its update: only landing leaves SENDING
     StepState.SENDING: frozenset({StepState.UPDATED}),
-    StepState.UPDATED: frozenset({StepState.ACCUMULATING, StepState.REDUCING}),
+    StepState.UPDATED: frozenset({_I, _A, _R}),
 }
 
 
@@ -59,22 +64,11 @@ class LifecycleError(RuntimeError):
     is caught earlier with a message that names the fix)."""
 
 
-class StepLifecycle:
-    """The current StepState of one unit, changed only through ``to()``."""
-
-    __slots__ = ("state", "owner")
-
-    def __init__(self, owner: str = ""):
-        self.state = StepState.IDLE
-        self.owner = owner
-
-    def to(self, new: StepState) -> None:
-        if new is not StepState.IDLE and new not in _ALLOWED[self.state]:
-            raise LifecycleError(
-                f"AMSP unit {self.owner or '<root>'}: {self.state.value} -> {new.value} is not a "
-                "valid step transition"
-            )
-        self.state = new
-
-    def __repr__(self) -> str:
-        return f"StepLifecycle({self.owner!r}, {self.state.value})"
+def check_transition(owner: str, src: StepState, dst: StepState) -> None:
+    """Raise LifecycleError unless ``src -> dst`` is in the table. The unit calls it on
+    every change of its step state's kind (unit.py)."""
+    if dst not in _ALLOWED[src]:
+        raise LifecycleError(
+            f"AMSP unit {owner or '<root>'}: {src.value} -> {dst.value} is not a valid step "
+            "transition"
+        )

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import compat
+from . import compat, handle
 from .plan import ResolvedPlan, ShardingPlan
 
 MESH_DIMS = ("rep", "p", "g", "os")
@@ -91,11 +91,7 @@ class MeshInfo:
         return "g" if self.plan.s_g > self.plan.s_p else "os"
 
 
-# [Note: mesh registry] The MeshInfo lives on the DeviceMesh object itself. DeviceMesh
-# compares and hashes by value (device type, ranks, dim names), so a registry keyed by
-# mesh would mix up two init_mesh calls with the same plan and could drop one's info when
-# the other is collected; an attribute is keyed by identity and lives as long as the mesh.
-_INFO_ATTR = "_amsp_mesh_info"
+# The MeshInfo lives on the DeviceMesh object itself (handle.py's Note says why).
 
 
 def _default_device_type() -> str:
@@ -158,7 +154,7 @@ def init_mesh(
     # first clip_grad_norm_) would hang if one rank got there by another path.
     for dim in (*MESH_DIMS, "shard"):
         info.group(dim)
-    setattr(mesh, _INFO_ATTR, info)
+    handle.set_mesh_info(mesh, info)
     return mesh
 
 
@@ -166,7 +162,7 @@ def mesh_info(mesh: DeviceMesh, plan: ShardingPlan | ResolvedPlan | None = None)
     """The MeshInfo of a mesh made by init_mesh, checked against ``plan`` if given."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh from amsp.init_mesh, got {type(mesh).__name__}")
-    info = getattr(mesh, _INFO_ATTR, None)
+    info = handle.mesh_info_of(mesh)
     if info is None:
         raise ValueError(
             f"mesh {mesh.mesh_dim_names} was not made by amsp.init_mesh(plan): build it with "

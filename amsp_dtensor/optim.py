@@ -38,6 +38,7 @@ have landed would be overwritten by the landing: it raises ParamWrittenWhilePend
 
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -45,12 +46,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torch.profiler import record_function
+
 from . import compat, param_update
 from . import grad as grad_path
+from .handle import root_state
 from .layouts import OS_PLACEMENTS, chunk_rows, gather_full
 from .lifecycle import StepState
 from .sharded_adafactor import ShardedAdafactor, shard_group_all_reduce
-from .state import AMSPState, AMSPUnit, find_state
+from .root import RootState
+from .unit import AMSPUnit
 
 __all__ = ["AMSPOptimizer", "ELEMENTWISE_OPTIMIZERS", "SHARDED_OPTIMIZERS"]
 
@@ -100,6 +105,16 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+class InnerState(enum.Enum):
+    """Where the wrapped optimizer's per-parameter state came from."""
+
+    FRESH = "fresh"  # nothing yet: torch creates it in the first step
+    # zeros made for a checkpoint load before the first step (_materialize_state); the
+    # first step drops it unless a checkpoint was loaded into it
+    PLACEHOLDER = "placeholder"
+    REAL = "real"  # made by a step, or loaded from a checkpoint that had one
+
+
 class AMSPOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer_class`` (any torch.optim.Optimizer) around OS-sharded masters.
 
@@ -126,13 +141,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
             raise ValueError(_not_elementwise_message(optimizer_class))
         if not isinstance(overlap_param_update, bool):
             raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
-        self._model_state: AMSPState = find_state(model)
-        if self._model_state.optimizer_bound:
+        self._root: RootState = root_state(model)
+        if self._root.optimizer_bound:
             raise ValueError(
                 "this model already has an AMSPOptimizer (it owns the fp32 master weights): "
                 "build one AMSPOptimizer per model, with several param_groups if needed"
             )
-        for unit in self._model_state.units:
+        for unit in self._root.units:
             if unit.refresh_params():
                 grad_path.register_param_hooks(unit)
             if any(p.device.type == "meta" for p in unit.local_params()):
@@ -141,14 +156,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     "materialise the model (to_empty + init_weights) before building "
                     "AMSPOptimizer, which builds its fp32 master weights from them"
                 )
-        self.overlap_param_update = overlap_param_update
         # per unit whose masters are views into its fp32 P shards: {param index: storage}
         self._aliases: list[tuple[AMSPUnit, dict[int, int]]] = []
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
         self._unit_slices: dict[int, tuple[int, list[DTensor]]] = {}  # id(unit) -> (start, masters)
         self._fqns: list[str] = []
-        for unit in self._model_state.units:
+        for unit in self._root.units:
             masters = self._build_masters(unit)
             self._unit_masters.append((unit, masters))
             self._unit_slices[id(unit)] = (len(self._masters), masters)
@@ -160,7 +174,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         if optimizer_class in SHARDED_OPTIMIZERS:
             self.inner = SHARDED_OPTIMIZERS[optimizer_class](
                 self._opt_params, global_shapes=[m.shape for m in self._masters],
-                all_reduce=shard_group_all_reduce(self._model_state.collectives),
+                all_reduce=shard_group_all_reduce(self._root.collectives),
                 **optimizer_kwargs,
             )
         else:
@@ -169,12 +183,19 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # One source of truth: schedulers and users edit the wrapped optimizer's groups.
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self._grads_ready = False
-        # True while the inner state is the zero placeholder made for a checkpoint load
-        # (_materialize_state) and nothing real was loaded into it: the first step drops it.
-        self._placeholder_state = False
-        self._has_stepped = False
-        self._model_state.optimizer_bound = True
+        self._inner_state = InnerState.FRESH
+        self._root.bind_optimizer(overlap_param_update)
+
+    @property
+    def overlap_param_update(self) -> bool:
+        """Whether ``step()`` returns with the post-step all-gathers in flight."""
+        return self._root.overlap.param_update
+
+    @overlap_param_update.setter
+    def overlap_param_update(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"overlap_param_update must be a bool, got {value!r}")
+        self._root.set_overlap(param_update=value)
 
     # ---- construction -------------------------------------------------------------
     def _build_masters(self, unit: AMSPUnit) -> list[DTensor]:
@@ -210,18 +231,23 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def _prepare_master_grads(self) -> None:
         """fp32 master grads from the synced G (divided by the gradient divide factor),
         for every unit: waits for the gradient collectives still in flight."""
-        if self._grads_ready:
+        if self._master_grads_ready():
             return
         self._check_ready_to_step()
-        grad_path.finish_sync(self._model_state)
+        self._root.finish_sync()
         for unit, _ in self._unit_masters:
             self._prepare_unit_grads(unit)
-        self._grads_ready = True
+
+    def _master_grads_ready(self) -> bool:
+        """clip_grad_norm_ prepared this step's master grads (step() and zero_grad()
+        drop them)."""
+        return any(p.grad is not None for p in self._opt_params)
 
     def _prepare_unit_grads(self, unit: AMSPUnit) -> None:
-        factor = self._model_state.divide_factor
+        factor = self._root.divide_factor
         start, masters = self._unit_slices[id(unit)]
-        views = unit.os_layout.views(unit.grad_synced) if unit.grad_synced is not None else None
+        synced = unit.synced_grad
+        views = unit.os_layout.views(synced) if synced is not None else None
         for j, master in enumerate(masters):
             opt_param = self._opt_params[start + j]
             if views is None:
@@ -233,7 +259,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def _check_ready_to_step(self) -> None:
         """Every unit must be SYNCED, or REDUCING with its last stage in flight after the
         backward (lifecycle.py); say what the user did otherwise."""
-        state = self._model_state
+        state = self._root
         if state.iteration_aborted():
             raise RuntimeError(
                 "the last forward or backward raised before it finished: call zero_grad() "
@@ -246,14 +272,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "before optimizer.step() / clip_grad_norm_()"
             )
         self._check_masters_alias()
-        reducing = grad_path.in_flight_units(state)
         for unit in state.units:
             unit.check_device()
-            current = unit.lifecycle.state
-            if current is StepState.SYNCED or (
-                current is StepState.REDUCING and id(unit) in reducing
-            ):
+            if unit.ready_to_step():
                 continue
+            current = unit.step_state
             if current in (StepState.SENDING, StepState.UPDATED):
                 raise RuntimeError(
                     "step() was called twice without a backward in between: run "
@@ -302,6 +325,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
         max_norm, norm_type = float(max_norm), float(norm_type)
         if not max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {max_norm}")
+        with record_function("AMSP::clip_grad_norm"):
+            return self._clip_grad_norm(max_norm, norm_type)
+
+    def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._prepare_master_grads()
         grads = self._local_grads()
         device = self._masters[0].device if self._masters else torch.device("cpu")
@@ -313,8 +340,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
             local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
             total = local.to(torch.float32).reshape(1)
             op = dist.ReduceOp.SUM
-        if self._model_state.info.size("shard") > 1:
-            self._model_state.collectives.all_reduce(total, "shard", phase="step", op=op).wait()
+        if self._root.info.size("shard") > 1:
+            self._root.collectives.all_reduce(total, "shard", phase="step", op=op).wait()
         total_norm = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:
@@ -330,22 +357,20 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._check_ready_to_step()
         else:
             self._prepare_master_grads()
-        if self._placeholder_state:
+        if self._inner_state is InnerState.PLACEHOLDER:
             # state_dict() ran before the first step and no checkpoint was loaded: let
             # the optimizer create its state as it would have (exactly, for any class).
             self.inner.state.clear()
-            self._placeholder_state = False
-        collectives = self._model_state.collectives
         if self._steps_per_unit():
-            self._step_per_unit(collectives)
+            self._step_per_unit()
         else:
-            self.inner.step()
+            with record_function("AMSP::optimizer_step"):
+                self.inner.step()
             for opt_param in self._opt_params:
                 opt_param.grad = None  # step-time scratch; G stays until zero_grad
             for unit, masters in self._unit_masters:
-                param_update.send(unit, masters, collectives)
-        self._has_stepped = True
-        self._grads_ready = False
+                unit.send(masters)
+        self._inner_state = InnerState.REAL
         if not self.overlap_param_update:
             self.wait_param_update()
 
@@ -357,27 +382,28 @@ class AMSPOptimizer(torch.optim.Optimizer):
         in the order they were issued, and its post-step all-gather is issued right away,
         so it overlaps the later units' waits and updates. With clip_grad_norm_ the norm
         needs every gradient first; the updates are still issued unit by unit."""
-        return (self._model_state.overlap.step
+        return (self._root.overlap.step
                 and self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
 
-    def _step_per_unit(self, collectives) -> None:
-        state = self._model_state
-        prepared = [p.grad for p in self._opt_params] if self._grads_ready else None
+    def _step_per_unit(self) -> None:
+        root = self._root
+        prepared = [p.grad for p in self._opt_params] if self._master_grads_ready() else None
         for opt_param in self._opt_params:
             opt_param.grad = None
-        for unit in grad_path.sync_order(state):
+        for unit in root.sync_order():
             start, masters = self._unit_slices[id(unit)]
             mine = self._opt_params[start:start + len(masters)]
             if prepared is not None:
                 for j, opt_param in enumerate(mine):
                     opt_param.grad = prepared[start + j]
             else:
-                grad_path.finish_unit_sync(state, unit)
+                root.finish_unit_sync(unit)
                 self._prepare_unit_grads(unit)
-            self.inner.step()
+            with record_function(unit.profile_label("AMSP::optimizer_step")):
+                self.inner.step()
             for opt_param in mine:
                 opt_param.grad = None
-            param_update.send(unit, masters, collectives)
+            unit.send(masters)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the step's gradients. After a forward or backward that raised, also reset
@@ -387,29 +413,21 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "AMSPOptimizer.zero_grad(set_to_none=False) is not supported: gradients live "
                 "in the engine's buffers, which are freed (set_to_none=True)"
             )
-        state = self._model_state
-        if state.iteration_aborted():
-            grad_path.reset_iteration(state)
-        grad_path.finish_sync(state)  # nothing may land in a buffer dropped here
-        for unit in state.units:
-            unit.grad_accum = None
-            unit.grad_synced = None
-            if unit.lifecycle.state is not StepState.SENDING:  # its update still lands later
-                unit.lifecycle.to(StepState.IDLE)
+        if self._root.iteration_aborted():
+            self._root.reset_iteration()
+        self._root.zero_grad()
         for opt_param in self._opt_params:
             opt_param.grad = None
-        state.unsynced_micro_batches = 0
-        self._grads_ready = False
 
     def wait_param_update(self) -> None:
         """Land every in-flight post-step all-gather: afterwards every parameter holds the
         weights of the last step (a no-op unless ``overlap_param_update=True``)."""
-        param_update.land_all(self._model_state.units)
+        param_update.land_all(self._root.units)
 
     @property
     def param_update_pending(self) -> bool:
         """True while some parameters still hold the previous step's weights."""
-        return param_update.pending(self._model_state.units)
+        return param_update.pending(self._root.units)
 
     # ---- checkpointing ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -435,7 +453,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             g["params"] = [self._fqns[i] for i in group["params"]]
             groups.append(g)
         return {"state": state, "param_groups": groups,
-                "state_is_placeholder": self._placeholder_state}
+                "state_is_placeholder": self._inner_state is InnerState.PLACEHOLDER}
 
     @torch.no_grad()
     def _materialize_state(self) -> None:
@@ -452,7 +470,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         step_size), so state_dict() says "state_is_placeholder" and a checkpoint saved
         before the first step loads as a placeholder again.
         """
-        if self._has_stepped or self._placeholder_state or self.inner.state:
+        if self._inner_state is not InnerState.FRESH or self.inner.state:
             return
         # grads clip_grad_norm_ may already have prepared for the coming step stay put
         prepared = [opt_param.grad for opt_param in self._opt_params]
@@ -475,7 +493,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 param_state["step"].zero_()
             elif "step" in param_state:
                 param_state["step"] = 0
-        self._placeholder_state = True
+        self._inner_state = InnerState.PLACEHOLDER
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -518,11 +536,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
             g["params"] = [index_of[fqn] for fqn in group["params"]]
             groups.append(g)
         self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
-        self._placeholder_state = bool(state_dict.get("state_is_placeholder", False))
+        placeholder = bool(state_dict.get("state_is_placeholder", False))
+        self._inner_state = InnerState.PLACEHOLDER if placeholder else InnerState.REAL
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         for unit, masters in self._unit_masters:
-            param_update.overwrite(unit, masters, self._model_state.collectives)
+            unit.overwrite(masters)
 
     @staticmethod
     def _to_os_layout(value: torch.Tensor, like: DTensor) -> DTensor:

@@ -3,7 +3,7 @@
 Four overlaps, each with its own switch so that its effect can be measured alone:
 
 - ``grad_sync`` (model): every stage of a unit's gradient sync is issued as soon as its
-  input is ready, and the last stages stay in flight after backward returns (grad.py).
+  input is ready, and the last stages stay in flight after backward returns (root.py).
   Off: each gradient collective is waited for right after it is issued.
 - ``prefetch`` (model): explicit FSDP2 prefetch, set from the order in which the units'
   forwards first ran: each unit all-gathers the next one in forward and the previous one
@@ -13,23 +13,34 @@ Four overlaps, each with its own switch so that its effect can be measured alone
 - ``step`` (model): per-unit optimizer step for elementwise optimizers (optim.py): each
   unit is updated as soon as its gradients have landed and its post-step all-gather is
   issued right after. Off: the whole step, then every all-gather.
-- ``overlap_param_update`` (``AMSPOptimizer``'s argument, off by default): the post-step
-  all-gathers are left in flight and land in the next forward.
+- ``param_update`` (``AMSPOptimizer(overlap_param_update=...)``, off by default): the
+  post-step all-gathers are left in flight and land in the next forward.
 
 The first three are on by default: they change when collectives are waited for, never
-what they compute, so losses and weights are bit-identical either way.
+what they compute, so losses and weights are bit-identical either way. All four live on
+the root's state (``Overlap`` below).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+from dataclasses import dataclass
 import torch.nn as nn
 
 from . import compat
-from .state import AMSPState, AMSPUnit, Overlap, find_state
+from .handle import root_state
 
 __all__ = ["Overlap", "set_overlap"]
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Which of the engine's overlaps are on."""
+
+    grad_sync: bool = True  # each gradient stage issued as soon as its input is ready
+    prefetch: bool = True  # explicit FSDP2 prefetch of the next unit's all-gather
+    step: bool = True  # per-unit optimizer step, each unit's all-gather right after it
+    # AMSPOptimizer(overlap_param_update=...): post-step all-gathers land in the next forward
+    param_update: bool = False
 
 
 def set_overlap(
@@ -40,43 +51,23 @@ def set_overlap(
     step: bool | None = None,
 ) -> Overlap:
     """Switch overlaps of the root ``model`` on or off (None: leave as is); returns the
-    settings now in force. Call between steps (not inside forward or backward)."""
+    settings now in force. Call between steps (not inside forward or backward). The
+    fourth switch is the optimizer's ``overlap_param_update``."""
     given = {"grad_sync": grad_sync, "prefetch": prefetch, "step": step}
     for name, value in given.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"set_overlap({name}=...) takes a bool or None, got {value!r}")
-    state = find_state(model)
-    if state.in_forward or state.backward is not None:
-        raise RuntimeError(
-            "set_overlap() during a forward or backward: call it between steps"
-        )
-    state.overlap = dataclasses.replace(
-        state.overlap, **{k: v for k, v in given.items() if v is not None}
-    )
-    apply_prefetch(state)
-    return state.overlap
+    return root_state(model).set_overlap(**{k: v for k, v in given.items() if v is not None})
 
 
-def record_forward(state: AMSPState, unit: AMSPUnit) -> None:
-    """A unit's forward pre-hook ran: learn the forward order (first forward only)."""
-    if not state.forward_order_known and unit not in state.forward_order:
-        state.forward_order.append(unit)
-
-
-def forward_done(state: AMSPState) -> None:
-    """The root's forward returned: the order is known; set the prefetch from it."""
-    if not state.forward_order_known:
-        state.forward_order_known = True
-        apply_prefetch(state)
-
-
-def apply_prefetch(state: AMSPState) -> None:
-    """Set (or clear) FSDP2's explicit prefetch lists of every FSDP unit."""
-    if not state.forward_order_known:
+def apply_prefetch(root) -> None:
+    """Set (or clear) FSDP2's explicit prefetch lists of every FSDP unit of ``root`` (a
+    root.RootState, which calls this)."""
+    if not root.forward_order_known:
         return
-    fsdp_units = [unit for unit in state.forward_order if unit.uses_fsdp]
-    on = state.overlap.prefetch
-    async_all_gather = on and state.info.mesh.device_type == "cpu"
+    fsdp_units = [unit for unit in root.forward_order if unit.uses_fsdp]
+    on = root.overlap.prefetch
+    async_all_gather = on and root.info.mesh.device_type == "cpu"
     for index, unit in enumerate(fsdp_units):
         after = fsdp_units[index + 1:index + 2] if on else []
         before = fsdp_units[max(index - 1, 0):index] if on else []

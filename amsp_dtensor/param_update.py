@@ -5,21 +5,21 @@ Each rank's OS rows are a sub-chunk of its own P rows. When s_os = s_p they are 
 rows and the update is a local copy. Otherwise the s_os/s_p ranks that split one P shard
 all-gather their OS rows ("the OS subgroup", layouts.py) and each unpacks the P rows.
 
-``send`` issues that all-gather and leaves the unit SENDING; ``land`` waits for it and
-unpacks, leaving it UPDATED. ``AMSPOptimizer.step()`` lands every unit before it returns,
-unless ``overlap_param_update=True``, when the next forward's pre-hook of each unit lands
-it (so the all-gather overlaps that forward), or a ``state_dict()`` or
-``load_state_dict()`` (the model's, any submodule's, the optimizer's) or
-``wait_param_update()`` do.
+``AMSPUnit.send`` issues that all-gather (``issue`` below) and leaves the unit SENDING;
+``AMSPUnit.land`` waits for it and unpacks (``unpack``), leaving it UPDATED.
+``AMSPOptimizer.step()`` lands every unit before it returns, unless
+``overlap_param_update=True``, when the next forward's pre-hook of each unit lands it (so
+the all-gather overlaps that forward), or a ``state_dict()`` or ``load_state_dict()`` (the
+model's, any submodule's, the optimizer's) or ``wait_param_update()`` do.
 
 [Note: writes while an update is in flight] Landing writes every P row of the unit,
 this rank's own included (from the send buffer), so an in-place write to a parameter
 made between ``step()`` and the landing (``p.mul_()``, ``p.copy_()``) would be
 overwritten without a trace. ``send`` therefore records the params' version counters
 (AMSPUnit.write_versions) and ``land`` compares them: if they moved, it still lands (the
-engine stays consistent and training can go on) and then raises ParamWrittenWhilePending,
-naming the parameters and the fix. The loads above land first, so they are not such
-writes. A write through ``p.data`` moves no counter and cannot be seen.
+engine stays consistent and training can go on) and then ParamWrittenWhilePending is
+raised, naming the parameters and the fix. The loads above land first, so they are not
+such writes. A write through ``p.data`` moves no counter and cannot be seen.
 """
 
 from __future__ import annotations
@@ -28,72 +28,38 @@ import torch
 
 from . import streams
 from .collectives import Collectives
-from .lifecycle import StepState
-from .state import AMSPUnit, PendingUpdate
+
+# "AMSPUnit" below is unit.AMSPUnit, which calls these functions (not imported here).
 
 
 class ParamWrittenWhilePending(RuntimeError):
     """A parameter was written in place while its post-step all-gather was in flight."""
 
 
-@torch.no_grad()
-def send(unit: AMSPUnit, masters: list, collectives: Collectives) -> None:
-    """After a step (SYNCED): local copy if s_os == s_p (UPDATED), else issue the
-    all-gather over the OS subgroup (SENDING)."""
-    issued = _issue(unit, masters, collectives)
-    unit.pending_update = None if issued is None else PendingUpdate(
-        *issued, versions=unit.write_versions())
-    unit.lifecycle.to(StepState.SENDING if unit.pending_update else StepState.UPDATED)
-
-
-@torch.no_grad()
-def land(unit: AMSPUnit) -> None:
-    """Land the all-gathered new P rows of ``unit`` (no-op unless SENDING); raises
-    ParamWrittenWhilePending, after landing, if a param was written in the meantime."""
-    written = _land(unit)
+def land(unit: "AMSPUnit") -> None:
+    """Land ``unit``'s update (no-op unless SENDING); raises ParamWrittenWhilePending,
+    after landing, if a param was written in the meantime."""
+    written = unit.land()
     if written:
         raise ParamWrittenWhilePending(_written_message(written))
 
 
-def land_all(units: list[AMSPUnit]) -> None:
+def land_all(units: list["AMSPUnit"]) -> None:
     """Land every unit, then raise ParamWrittenWhilePending if any param was written."""
-    written = [fqn for unit in units for fqn in _land(unit)]
+    written = [fqn for unit in units for fqn in unit.land()]
     if written:
         raise ParamWrittenWhilePending(_written_message(written))
 
 
-def check_not_written(units: list[AMSPUnit]) -> None:
+def check_not_written(units: list["AMSPUnit"]) -> None:
     """Land everything and raise if a param with an update in flight was written (the
     root's pre-forward: before any unit's forward starts)."""
-    if any(unit.pending_update is not None and unit.write_versions() != unit.pending_update.versions
-           for unit in units):
+    if any(unit.written_while_pending() for unit in units):
         land_all(units)
 
 
-@torch.no_grad()
-def overwrite(unit: AMSPUnit, masters: list, collectives: Collectives) -> None:
-    """Masters -> P now (a checkpoint was loaded; nothing may be in flight)."""
-    assert unit.pending_update is None, "land the update before loading the masters"
-    issued = _issue(unit, masters, collectives)
-    if issued is not None:
-        _unpack(unit, issued[0])
-
-
-@torch.no_grad()
-def _land(unit: AMSPUnit) -> list[str]:
-    """Land ``unit``'s update; the FQNs of its params written since it was sent."""
-    pending = unit.pending_update
-    if pending is None:
-        return []
-    now = unit.write_versions()
-    n = len(unit.params)  # versions: each param's, then (FSDP) each local tensor's
-    moved = sorted({i % n for i, (a, b) in enumerate(zip(now, pending.versions)) if a != b})
-    names = unit.param_fqns if len(unit.param_fqns) == n else [unit.name] * n
-    written = list(dict.fromkeys(names[i] for i in moved))
-    unit.pending_update = None
-    _unpack(unit, pending.comm)
-    unit.lifecycle.to(StepState.UPDATED)
-    return written
+def pending(units: list["AMSPUnit"]) -> bool:
+    return any(unit.pending_update is not None for unit in units)
 
 
 def _written_message(fqns: list[str]) -> str:
@@ -106,7 +72,10 @@ def _written_message(fqns: list[str]) -> str:
     )
 
 
-def _issue(unit: AMSPUnit, masters: list, collectives: Collectives):
+@torch.no_grad()
+def issue(unit: "AMSPUnit", masters: list, collectives: Collectives):
+    """Masters -> P shards: copies locally when s_os = s_p (None), else issues the
+    all-gather over the OS subgroup: (its PendingComm, the send buffer)."""
     p_locals = unit.local_params()
     k = unit.info.os_split[0]
     if k == 1:
@@ -124,16 +93,14 @@ def _issue(unit: AMSPUnit, masters: list, collectives: Collectives):
     return pending, send_buf
 
 
-def _unpack(unit: AMSPUnit, comm) -> None:
+@torch.no_grad()
+def unpack(unit: "AMSPUnit", comm) -> None:
+    """Wait for the all-gather and write every P row of the unit from it."""
     k = unit.info.os_split[0]
     gathered = comm.wait().view(k, -1)
     unit.p_layout.unpack_into(gathered, k, unit.local_params())
     if unit.uses_fsdp:
         streams.order_before_copy_in(unit.module)
-
-
-def pending(units: list[AMSPUnit]) -> bool:
-    return any(unit.pending_update is not None for unit in units)
 
 
 # [Note: nothing in flight at exit]

@@ -15,12 +15,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
 
-from . import compat, overlap, param_update, streams
+from . import compat, handle, param_update, streams
 from . import grad as grad_path
 from .collectives import Collectives, RecordingAllGather, RecordingReduceScatter
 from .mesh import mesh_info
 from .plan import ResolvedPlan, ShardingPlan
-from .state import AMSPState, AMSPUnit, build_layouts, clean_fqn, find_state
+from .fqn import clean_fqn
+from .layouts import FlatLayout
+from .mesh import MeshInfo
+from .root import RootState
+from .unit import AMSPUnit
 
 __all__ = ["fully_shard"]
 
@@ -33,15 +37,15 @@ def _owned_params(module: nn.Module, first_name: dict | None = None) -> list[tup
     a tensor shared by two modules (tied embedding and output head) is caught when the
     two names fall in different units: one unit would update it while the other reads a
     copy. Tied modules may share one unit; they may not be split over two."""
-    unit_at = {name: sub._amsp_unit for name, sub in module.named_modules()
-               if sub is not module and getattr(sub, "_amsp_unit", None) is not None}
+    unit_at = {name: handle.unit_of(sub) for name, sub in module.named_modules()
+               if sub is not module and handle.unit_of(sub) is not None}
     owner_of = {id(p): unit for unit in unit_at.values() for p in unit.params}
     # shared by the modules of one unit (a list): a weight tied between them is one param
     first_name = {} if first_name is None else first_name
     owned = []
     for name, param in module.named_parameters(remove_duplicate=False):
         location = _unit_containing(name, unit_at)  # None: this module's own param
-        owner = owner_of.get(id(param)) or getattr(param, "_amsp_unit_of", None)
+        owner = owner_of.get(id(param)) or handle.param_owner(param)
         if owner is not None and owner is location:
             continue  # a param of a unit below, reached through that unit
         if owner is not None:
@@ -77,7 +81,7 @@ def _tied_message(name: str, other: str) -> str:
 
 
 def _already_sharded_message(module: nn.Module, name: str, owner: AMSPUnit) -> str:
-    if owner.state is not None and owner.state.optimizer_bound:
+    if owner.root is not None and owner.root.optimizer_bound:
         return (
             f"amsp.fully_shard({type(module).__name__}) after AMSPOptimizer was built: "
             f"parameter {name!r} already belongs to unit {owner.name!r}, whose fp32 masters the "
@@ -116,7 +120,7 @@ def _as_module_list(module) -> list[nn.Module]:
 
 
 def _check_module(module: nn.Module) -> None:
-    if getattr(module, "_amsp_unit", None) is not None or hasattr(module, "_amsp_state"):
+    if handle.is_sharded(module):
         raise ValueError(f"{type(module).__name__} is already sharded by amsp.fully_shard")
     if isinstance(module, FSDPModule):
         raise ValueError(
@@ -186,7 +190,7 @@ def fully_shard(
         unit = _make_unit(modules, located, info, collectives, mp_policy,
                           reshard_after_forward)
         for m in modules:
-            m._amsp_unit = unit
+            handle.set_unit(m, unit)
     elif len(modules) > 1:
         raise ValueError(f"{_describe(modules)} has no parameters of its own to shard")
     elif info.plan.s_p > 1 and _has_fsdp_units(module):
@@ -202,8 +206,20 @@ def fully_shard(
     return module
 
 
+def build_layouts(
+    info: MeshInfo, global_shapes: list, p_rows: list[int], p_caps: list[int]
+) -> tuple[FlatLayout, FlatLayout, FlatLayout]:
+    """P, G and OS flat layouts of one unit on this rank (see layouts.py for the rule)."""
+    p_layout = FlatLayout.for_shapes(global_shapes, rows=p_rows, caps=p_caps)
+    k_g = info.size("g")
+    g_layout = p_layout.split(k_g, info.coordinate["g"]) if k_g > 1 else p_layout
+    k_os, os_index = info.os_split
+    os_layout = p_layout.split(k_os, os_index) if k_os > 1 else p_layout
+    return p_layout, g_layout, os_layout
+
+
 def _has_fsdp_units(module: nn.Module) -> bool:
-    return any(getattr(m, "_amsp_unit", None) is not None and m._amsp_unit.uses_fsdp
+    return any((unit := handle.unit_of(m)) is not None and unit.uses_fsdp
                for m in module.modules())
 
 
@@ -287,7 +303,7 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
     # another module may still hold an original (a tied weight), see _owned_params
     sharded = [fp.sharded_param for fp in compat.fsdp_params(module)] if uses_fsdp else []
     for param in [*unit.params, *sharded, *(p for _, p in named)]:
-        param._amsp_unit_of = unit
+        handle.set_param_owner(param, unit)
     # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
     # by the last optimizer step, must have landed before it is all-gathered or used.
     for m in modules:
@@ -305,15 +321,13 @@ def _land_before_state_dicts(unit: AMSPUnit) -> None:
     update landing after it."""
 
     def land_model(*_):
-        param_update.land_all(unit.state.units if unit.state is not None else [unit])
+        param_update.land_all(unit.root.units if unit.root is not None else [unit])
 
     for top in unit.modules:
         for sub in top.modules():
-            if getattr(sub, "_amsp_lands_on_state_dict", False):
-                continue
-            sub.register_state_dict_pre_hook(land_model)
-            sub.register_load_state_dict_pre_hook(land_model)
-            sub._amsp_lands_on_state_dict = True
+            if handle.mark_lands_on_state_dict(sub):
+                sub.register_state_dict_pre_hook(land_model)
+                sub.register_load_state_dict_pre_hook(land_model)
 
 
 def _land_before_submodule_forward(unit: AMSPUnit) -> None:
@@ -344,13 +358,13 @@ def _fsdp_names(modules: list[nn.Module], params: list[nn.Parameter]) -> tuple[l
 def _unit_pre_forward(unit: AMSPUnit):
     def hook(module, args):
         unit.check_device()
-        if unit.state is not None:
-            overlap.record_forward(unit.state, unit)
+        if unit.root is not None:
+            unit.root.record_forward(unit)
         param_update.land(unit)
         if unit.uses_fsdp:
             # Units FSDP will prefetch from here need their new shards too.
             for other in compat.fsdp_forward_prefetch_modules(module):
-                other_unit = getattr(other, "_amsp_unit", None)
+                other_unit = handle.unit_of(other)
                 if other_unit is not None:
                     param_update.land(other_unit)
 
@@ -362,73 +376,57 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
     # a unit may be reached twice: torch.compile's wrapper passes attribute reads through
     # to the module it wraps (``layers.0`` and ``layers.0._orig_mod``)
     units = list({id(u): u for m in module.modules()
-                  if (u := getattr(m, "_amsp_unit", None)) is not None}.values())
+                  if (u := handle.unit_of(m)) is not None}.values())
     if not units:
         raise ValueError(
             f"{type(module).__name__} has no parameters to shard (and no sharded submodules)"
         )
     if any(u.info is not info for u in units):
         raise ValueError("all units of one model must use the same amsp mesh and plan")
-    bound = next((u for u in units if u.state is not None and u.state.optimizer_bound), None)
+    bound = next((u for u in units if u.root is not None and u.root.optimizer_bound), None)
     if bound is not None:
         raise ValueError(
             f"amsp.fully_shard({type(module).__name__}) after AMSPOptimizer was built over "
             f"unit {bound.name!r}: shard every module first (bottom-up), then build AMSPOptimizer"
         )
-    state = AMSPState(info=info, collectives=collectives,
-                      units=[u for u in units if u.p_layout.params],
-                      frozen_units=[u for u in units if not u.p_layout.params],
-                      grad_stream=streams.grad_stream(info.mesh.device_type))
+    root = RootState(info=info, collectives=collectives,
+                     units=[u for u in units if u.p_layout.params],
+                     frozen_units=[u for u in units if not u.p_layout.params],
+                     grad_stream=streams.grad_stream(info.mesh.device_type))
     prefix_of = {m: clean_fqn(name) for name, m in module.named_modules()}
     for unit in units:
-        unit.state = state
+        unit.root = root
         prefixes = [prefix_of[m] for m in unit.modules]
         unit.fqn = prefixes[0] if len(prefixes) == 1 else f"[{', '.join(prefixes)}]"
-        unit.lifecycle.owner = unit.fqn
         unit.param_fqns = [
             clean_fqn(f"{prefixes[i]}.{n}" if prefixes[i] else n)
             for i, n in zip(unit.param_module, unit.param_names)
         ]
     for sub in module.modules():
-        if sub is not module and hasattr(sub, "_amsp_state"):
-            # A former root (a block sharded before its parent) is a root no more.
-            del sub._amsp_state
-            for handle in sub._amsp_root_hooks:
-                handle.remove()
-            del sub._amsp_root_hooks
-    module._amsp_state = state
-    module._amsp_root_hooks = [
+        if sub is not module:
+            handle.clear_root(sub)  # a block sharded before its parent is a root no more
+    handle.set_root(module, root, [
         module.register_state_dict_pre_hook(_land_updates_before_state_dict),
         module.register_load_state_dict_pre_hook(_land_updates_before_load),
         module.register_forward_pre_hook(_root_pre_forward, prepend=True),
         module.register_forward_hook(_root_post_forward, always_call=False),
-    ]
+    ])
 
 
 def _root_pre_forward(module, args):
-    state = find_state(module)
-    if state.iteration_aborted():
-        raise RuntimeError(
-            "the previous forward or backward of this model raised and left gradient "
-            "collectives or FSDP state behind: call optimizer.zero_grad() (which resets the "
-            "iteration) before running the model again"
-        )
-    param_update.check_not_written(state.units)
-    state.in_forward = True
+    handle.root_state(module).pre_forward()
 
 
 def _root_post_forward(module, args, output):
-    state = find_state(module)
-    state.in_forward = False
-    overlap.forward_done(state)
+    handle.root_state(module).post_forward()
 
 
 def _land_updates_before_state_dict(module, prefix, keep_vars):
     # model.state_dict() must see the weights of the last step, whose all-gather may
     # still be in flight (it is otherwise landed by the next forward).
-    param_update.land_all(find_state(module).units)
+    param_update.land_all(handle.root_state(module).units)
 
 
 def _land_updates_before_load(module, *_):
     # and model.load_state_dict() must not be overwritten by such an update landing later
-    param_update.land_all(find_state(module).units)
+    param_update.land_all(handle.root_state(module).units)

@@ -39,6 +39,11 @@ def _with_config_module(argv: list[str], toml_values: dict | None) -> list[str]:
 
 def parse_job_config(argv: list[str]):
     """torchtitan's ConfigManager, after checking the TOML's [amsp] keys ourselves."""
+    return read_job_config(argv)[0]
+
+
+def read_job_config(argv: list[str]):
+    """(the JobConfig, whether [amsp] keys were given in the TOML or on the command line)."""
     import importlib
 
     import amsp_dtensor.titan  # noqa: F401  (CPU shims, the AMSP TrainSpecs)
@@ -68,9 +73,9 @@ def parse_job_config(argv: list[str]):
     from amsp_dtensor.titan import ensure_registered
 
     ensure_registered(config.model.name)  # <name>_amsp for any registered <name>
-    config._amsp_in_toml = bool((toml_values or {}).get("amsp")) or any(
+    amsp_given = bool((toml_values or {}).get("amsp")) or any(
         a.startswith("--amsp.") for a in argv)
-    return config
+    return config, amsp_given
 
 
 def prepare_data_at(paths) -> None:
@@ -144,14 +149,14 @@ def warn_multi_node_restarts() -> None:
             "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
 
 
-def check_amsp(job_config):
+def check_amsp(job_config, amsp_given: bool = False):
     """Validate [amsp] and the model for this world (WORLD_SIZE / LOCAL_WORLD_SIZE);
-    None if not an AMSP model."""
+    None if not an AMSP model (then a warning if ``amsp_given``: its keys are unused)."""
     from amsp_dtensor.titan import amsp_name, check_model, resolve_plan, uses_amsp
 
     if not uses_amsp(job_config.model.name):
         amsp_cfg = getattr(job_config, "amsp", None)
-        if _rank() == 0 and getattr(job_config, "_amsp_in_toml", False) and not (
+        if _rank() == 0 and amsp_given and not (
             amsp_cfg is not None and amsp_cfg.init_like_single_process
         ):
             from torchtitan.tools.logging import logger
@@ -201,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_other_ranks()
     warn_multi_node_restarts()
     try:
-        job_config = parse_job_config(argv)
-        plan = check_amsp(job_config)
+        job_config, amsp_given = read_job_config(argv)
+        plan = check_amsp(job_config, amsp_given)
     except (AmspConfigError, UsageError) as e:
         if _rank() == 0:
             print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)

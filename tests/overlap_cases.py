@@ -7,7 +7,7 @@ import torch
 
 import amsp_dtensor as amsp
 from amsp_dtensor.plan import ShardingPlan, enumerate_plans
-from amsp_dtensor.state import find_state
+from amsp_dtensor.handle import root_state
 from amsp_dtensor.testing.multiproc import run_on_ranks
 from amsp_dtensor.testing.scenarios import amsp_training, make_model, shard_model
 
@@ -48,7 +48,7 @@ def _errors(rank, world):
     attempt("set_overlap not a bool", lambda: amsp.set_overlap(sharded, step=1))
     attempt("set_overlap on a block", lambda: amsp.set_overlap(sharded.layers[0], step=True))
     out["set_overlap returns"] = repr(amsp.set_overlap(sharded, prefetch=False))
-    out["unit names"] = sorted(u.name for u in find_state(sharded).units)
+    out["unit names"] = sorted(u.name for u in root_state(sharded).units)
     return out
 
 

@@ -127,6 +127,7 @@ def test_misuse_messages(runs):
         "TypeError", "set_overlap(step=...) takes a bool or None, got 1")
     assert errors["set_overlap on a block"][0] == "ValueError"
     assert "not an AMSP root" in errors["set_overlap on a block"][1]
-    assert errors["set_overlap returns"] == "Overlap(grad_sync=True, prefetch=False, step=True)"
+    assert errors["set_overlap returns"] == (
+        "Overlap(grad_sync=True, prefetch=False, step=True, param_update=False)")
     assert errors["unit names"] == sorted(
         ["tok_embeddings", "layers.0", "layers.1", "[norm, output]"])

@@ -15,7 +15,7 @@ overlap_param_update=True, so each unit's new P rows are unpacked in its forward
 3. On CUDA, the gradient path ran on the engine's grad stream and the synced G is
    readable on the compute stream after backward (streams.py, rules 1 and 2).
 4. The lifecycle: after backward every unit is SYNCED or REDUCING with its last gradient
-   stage in flight (grad.py), SYNCED once those complete, UPDATED after landing.
+   stage in flight (root.py), SYNCED once those complete, UPDATED after landing.
 Units are cut as torchtitan cuts them (embeddings, blocks, [norm, output] as one unit).
 Exit 0 and "gpu_check: OK" when all hold; one line per failure otherwise.
 """
@@ -43,9 +43,9 @@ def main(argv=None) -> int:
         return 2
 
     import amsp_dtensor as amsp
-    from amsp_dtensor import collectives, compat, grad
+    from amsp_dtensor import collectives, compat
+    from amsp_dtensor.handle import root_state
     from amsp_dtensor.lifecycle import StepState
-    from amsp_dtensor.state import find_state
     from amsp_dtensor.testing.tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
 
     device = torch.device(args.device)
@@ -65,25 +65,22 @@ def main(argv=None) -> int:
                      reshard_after_forward=False)
     amsp.fully_shard(model, mesh=mesh, plan=plan)
     optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_param_update=True)
-    state = find_state(model)
+    state = root_state(model)
     failures = []
     captured = _capture_all_gather_inputs(state)
 
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), device=device)
     loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    reducing = grad.in_flight_units(state)
-    if any(u.lifecycle.state is not StepState.SYNCED
-           and not (u.lifecycle.state is StepState.REDUCING and id(u) in reducing)
-           for u in state.units):
+    if not all(u.ready_to_step() for u in state.units):
         failures.append("a unit is neither SYNCED nor REDUCING with collectives in flight "
                         "after backward")
-    grad.finish_sync(state)
-    if any(u.lifecycle.state is not StepState.SYNCED for u in state.units):
+    state.finish_sync()
+    if any(u.step_state is not StepState.SYNCED for u in state.units):
         failures.append("a unit is not SYNCED once its gradient collectives completed")
     if device.type == "cuda":
         if state.grad_stream is None:
             failures.append("no grad stream on CUDA")
-        synced = [u.grad_synced for u in state.units]
+        synced = [u.synced_grad for u in state.units]
         if any(g is None or not torch.isfinite(g.float()).all() for g in synced):
             failures.append("synced G missing or not finite on the compute stream")
     optim.step()
@@ -96,8 +93,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     for unit in state.units:
-        if unit.lifecycle.state is not StepState.UPDATED:
-            failures.append(f"{unit.name}: {unit.lifecycle.state.value} after the forward")
+        if unit.step_state is not StepState.UPDATED:
+            failures.append(f"{unit.name}: {unit.step_state.value} after the forward")
         shard = torch.cat([compat.fsdp_sharded_storage(fp).reshape(-1)
                            for fp in compat.fsdp_params(unit.module)])
         inputs = captured.get(id(unit.module), [])

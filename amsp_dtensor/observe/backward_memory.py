@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..state import AMSPState, AMSPUnit, find_state
+from ..handle import root_state
+from ..root import RootState
+from ..unit import AMSPUnit
 from .memory import memory_by_state
 
 __all__ = ["BackwardSample", "BackwardMemoryTracker", "track_backward_memory", "grad_census"]
@@ -56,7 +58,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def grad_census(state: "AMSPState", hook_input: torch.Tensor | None = None) -> tuple[int, dict]:
+def grad_census(state: "RootState", hook_input: torch.Tensor | None = None) -> tuple[int, dict]:
     """(bytes, bytes per holder kind) of the distinct gradient storages alive now."""
     seen: set[int] = set()
     parts = {"grad_accum": 0, "grad_synced": 0, "in_flight_keepalive": 0,
@@ -73,8 +75,8 @@ def grad_census(state: "AMSPState", hook_input: torch.Tensor | None = None) -> t
         parts[kind] += storage.nbytes()
 
     for unit in state.units:
-        add("grad_accum", unit.grad_accum)
-        add("grad_synced", unit.grad_synced)
+        add("grad_accum", unit.partial_grad)
+        add("grad_synced", unit.synced_grad)
     for entry in state.in_flight:
         add("in_flight_keepalive", entry.keepalive)
         add("in_flight_result", entry.pending.result)
@@ -88,7 +90,7 @@ def grad_census(state: "AMSPState", hook_input: torch.Tensor | None = None) -> t
 class BackwardMemoryTracker:
     """The samples of one ``track_backward_memory`` block (see the module docstring)."""
 
-    def __init__(self, state: "AMSPState", param_bytes: int):
+    def __init__(self, state: "RootState", param_bytes: int):
         self.state = state
         self.param_bytes = param_bytes  # P on this rank, read once at the start
         self.samples: list[BackwardSample] = []
@@ -120,7 +122,7 @@ class BackwardMemoryTracker:
 def track_backward_memory(model: nn.Module):
     """Census the gradient bytes of this rank at every unit's gradient hook while the
     block runs; yields a ``BackwardMemoryTracker``. ``model`` is the AMSP root."""
-    state = find_state(model)
+    state = root_state(model)
     tracker = BackwardMemoryTracker(state, memory_by_state(model)["param"])
     state.unit_grad_observers.append(tracker)
     try:

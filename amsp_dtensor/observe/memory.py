@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .. import compat
-from ..state import find_state
+from ..handle import root_state
 
 
 def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
@@ -17,7 +17,7 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     optim: fp32 masters plus optimizer states shaped like them (0 without optimizer; a
       master that is a view into an fp32 P shard is counted once, as param).
     """
-    state = find_state(model)
+    state = root_state(model)
     param = grad = 0
     for unit in [*state.units, *state.frozen_units]:
         if unit.uses_fsdp:
@@ -26,7 +26,7 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
                 param += data.numel() * data.element_size()
         else:
             param += sum(p.numel() * p.element_size() for p in [*unit.params, *unit.frozen_params])
-        for buf in (unit.grad_accum, unit.grad_synced):
+        for buf in (unit.partial_grad, unit.synced_grad):
             if buf is not None:
                 grad += buf.numel() * buf.element_size()
     grad += sum(e.pending.result.numel() * e.pending.result.element_size()
@@ -41,11 +41,11 @@ def step_buffer_bytes(model: nn.Module) -> dict[str, int]:
     every post-step all-gather still in flight (send buffer + output)}. Read it right
     after ``step()`` with ``overlap_param_update=True``, before the updates land, to see
     the step's peak (cost.memory.step_bytes models the same buffers)."""
-    state = find_state(model)
+    state = root_state(model)
     synced = gather = 0
     for unit in state.units:
-        if unit.grad_synced is not None:
-            synced += unit.grad_synced.numel() * unit.grad_synced.element_size()
+        if unit.synced_grad is not None:
+            synced += unit.synced_grad.numel() * unit.synced_grad.element_size()
         if unit.pending_update is not None:
             pending = unit.pending_update
             for t in (pending.comm.result, pending.send_buf):

@@ -40,7 +40,7 @@ def firing_order(model) -> tuple[list[list[torch.Size]], list[list[torch.Size]]]
 def measure_backward_memory(rank, world_size, plans, dtypes=("fp32", "bf16"), micro_batches=2):
     import amsp_dtensor as amsp
     from amsp_dtensor.cost.backward_peak import predict_backward_grad_bytes
-    from amsp_dtensor.state import find_state
+    from amsp_dtensor.handle import root_state
 
     ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     out = {}
@@ -60,7 +60,7 @@ def measure_backward_memory(rank, world_size, plans, dtypes=("fp32", "bf16"), mi
             with amsp.track_backward_memory(model) as tracker:
                 for _ in micro_batch_backwards(model, batch, rank, world_size, micro_batches):
                     pass
-            observers_left = len(find_state(model).unit_grad_observers)
+            observers_left = len(root_state(model).unit_grad_observers)
             optim.step()
             optim.zero_grad()
             optim.wait_param_update()

@@ -158,7 +158,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     of amsp.set_overlap; ``clip``: clip_grad_norm_ before each step ("norms" empty if not).
     """
     import amsp_dtensor as amsp
-    from amsp_dtensor.state import find_state
+    from amsp_dtensor.handle import root_state
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])
@@ -187,7 +187,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
                 step_loss += loss.detach().float()
                 if step == 0 and micro == 0 and micro_batches > 1:
                     memory["grad"] = amsp.memory_by_state(model)["grad"]
-            in_flight_after_backward.append(len(find_state(model).in_flight))
+            in_flight_after_backward.append(len(root_state(model).in_flight))
             if clip:
                 norms.append(optim.clip_grad_norm_(MAX_NORM).item())
             optim.step()

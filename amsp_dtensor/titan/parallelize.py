@@ -27,17 +27,16 @@ from torchtitan.models.llama3.infra import parallelize as _llama3_parallelize
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
 
+from .. import handle
 from ..compat import titan_sac_save_list
 
 from .validate import AmspConfigError, resolve_plan
 from .weights import init_full_model, keep_weights
 
-PLAN_ATTR = "_amsp_plan"  # set on the root module: marks an AMSP model, holds its ResolvedPlan
-
-
 def amsp_plan_of(model: nn.Module):
     """The ResolvedPlan an AMSP-parallelized model runs, or None for any other model."""
-    return getattr(model, PLAN_ATTR, None)
+    root = handle.root_of(model)
+    return root.info.plan if root is not None else None
 
 
 def _check_parallelism(parallel_dims: ParallelDims) -> None:
@@ -168,7 +167,6 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         amsp.set_gradient_divide_factor(model, 1.0)
         if full_init:
             keep_weights(model)
-        setattr(model, PLAN_ATTR, plan)
         logger.info(
             f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
             f"on {plan.world_size} ranks, {plan.ranks_per_node} per node; mesh {plan.mesh_shape}"

@@ -1,0 +1,394 @@
+"""One AMSP unit (the counterpart of FSDP2's FSDPParamGroup): its parameters, layouts and
+the step state that owns its gradient and update buffers.
+
+A *unit* is one module (or list of sibling modules) passed to ``amsp.fully_shard`` with
+the parameters it owns (those not owned by a unit below it). Its place in the training
+step is a value of one of the classes below, which holds exactly the buffers of that
+state (lifecycle.py has the table of transitions); the methods of ``AMSPUnit`` are the
+only code that replaces it:
+
+- ``accept_grads`` (backward: one micro-batch's P-shard grads arrive),
+- ``advance`` (one of its gradient stages completed: run the next one),
+- ``send`` / ``land`` (optimizer step: the post-step all-gather issued / landed),
+- ``drop_grads`` (``zero_grad()``) and ``reset`` (after an exception).
+
+[Note: gradient stages]
+Per micro-batch this rank receives the unit's P-shard grads as one flat buffer in the
+gradient dtype (FSDP2's reduce-scatter output when s_p > 1, our own flatten of the
+params' grads when s_p = 1). Then:
+
+- G_REDUCE (s_g > s_p): reduce-scatter over "g", keep 1/s_g, add to the partial sum.
+  With s_g = s_p the P-shard grads are added as they are (the first buffer is taken).
+- On the last backward of a step (outside ``no_sync``) the partial sum is reduced across
+  the ranks that hold the same shard: OS_REDUCE (reduce-scatter over "os") when
+  s_g = s_p < s_os, then REP_REDUCE (all-reduce over "rep"). The result is the step's G
+  in the OS layout, added to a G the unit already held (a second syncing backward before
+  the step, as DDP adds), and the unit is SYNCED.
+
+A unit has at most one stage in flight, held by its state; the root keeps the stages of
+all units in issue order (root.py) and completes them in that order, calling ``advance``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+from torch.profiler import record_function
+
+from . import compat, param_update
+from .collectives import PendingComm
+from .layouts import FlatLayout
+from .lifecycle import StepState, check_transition
+from .mesh import MeshInfo
+
+
+class GradStage(enum.Enum):
+    """The collectives of a unit's gradient sync, in the order they can run."""
+
+    G_REDUCE = "g_reduce"  # reduce-scatter over "g" of one micro-batch's P-shard grads
+    OS_REDUCE = "os_reduce"  # reduce-scatter over "os" of the step's G (s_g = s_p < s_os)
+    REP_REDUCE = "rep_reduce"  # all-reduce over "rep" of the step's G in the OS layout
+
+
+# Completed in the next unit's hook: their inputs are P-sized, and their completion
+# issues the unit's next stage, if any.
+FIRST_STAGES = frozenset({GradStage.G_REDUCE, GradStage.OS_REDUCE})
+ALL_STAGES = frozenset(GradStage)
+
+
+@dataclass(eq=False)
+class InFlightStage:
+    """One issued stage of a unit's gradient sync."""
+
+    unit: "AMSPUnit"
+    stage: GradStage
+    pending: PendingComm
+    keepalive: torch.Tensor | None  # the collective's input, alive until it completes
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """A unit's post-step all-gather in flight (SENDING), with what landing it needs."""
+
+    comm: PendingComm  # the all-gather; its result holds every OS rank's new rows
+    send_buf: torch.Tensor  # this rank's new rows, alive until the all-gather completes
+    versions: tuple[int, ...]  # the unit's write_versions() when it was issued
+
+
+# ---- step states: each holds exactly its buffers ---------------------------------------
+@dataclass(frozen=True)
+class Idle:
+    kind: ClassVar[StepState] = StepState.IDLE
+
+
+@dataclass(frozen=True)
+class Accumulating:
+    """Backwards under no_sync: the partial G sum (g_layout flat; None until the first
+    G_REDUCE lands), a G synced earlier in this step that the sync will add to, and the
+    stage in flight."""
+
+    kind: ClassVar[StepState] = StepState.ACCUMULATING
+    partial: torch.Tensor | None
+    carried: torch.Tensor | None
+    stage: InFlightStage | None
+
+
+@dataclass(frozen=True)
+class Reducing:
+    """The last backward issued the sync: the same buffers as Accumulating; ``partial``
+    is given up when the sync across replicas is issued."""
+
+    kind: ClassVar[StepState] = StepState.REDUCING
+    partial: torch.Tensor | None
+    carried: torch.Tensor | None
+    stage: InFlightStage | None
+
+
+@dataclass(frozen=True)
+class Synced:
+    kind: ClassVar[StepState] = StepState.SYNCED
+    grad: torch.Tensor  # the step's G reduced over all ranks (os_layout flat)
+
+
+@dataclass(frozen=True)
+class Sending:
+    kind: ClassVar[StepState] = StepState.SENDING
+    grad: torch.Tensor | None  # kept until zero_grad(), as torch keeps .grad
+    update: PendingUpdate
+
+
+@dataclass(frozen=True)
+class Updated:
+    kind: ClassVar[StepState] = StepState.UPDATED
+    grad: torch.Tensor | None
+
+
+StepValue = Idle | Accumulating | Reducing | Synced | Sending | Updated
+
+
+@dataclass(eq=False)  # units are compared and hashed by identity
+class AMSPUnit:
+    module: nn.Module  # the first of ``modules`` (FSDP2 keeps a list's state on it)
+    fqn: str  # for messages; set when the root is known
+    info: MeshInfo
+    own_params: list[nn.Parameter] | None  # s_p = 1 units; FSDP units read FSDP's (below)
+    param_names: list[str]  # relative to their module, in the order of the flat buffers
+    frozen_params: list[nn.Parameter]  # s_p = 1: requires_grad=False params (P only)
+    uses_fsdp: bool  # False when s_p == 1: plain params, our own hooks, no FSDP copy
+    global_shapes: list[torch.Size]
+    p_layout: FlatLayout  # this rank's P rows of each param (FSDP's padded shard layout)
+    g_layout: FlatLayout  # this rank's G rows (P rows split over the "g" dim)
+    os_layout: FlatLayout  # this rank's OS rows (P rows split over the OS subgroup)
+    reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype (None: param dtype)
+    device: torch.device  # where the P shards were when sharded (checked before use)
+    # every module of the unit (``amsp.fully_shard([norm, output])``: several, as FSDP2
+    # takes), and for each entry of ``param_names`` the index of the module it is in
+    modules: list[nn.Module] = field(default_factory=list)
+    param_module: list[int] = field(default_factory=list)
+    param_fqns: list[str] = field(default_factory=list)
+    root: object = None  # the root.RootState, once the root is sharded (root.py imports this)
+    _step: StepValue = field(default_factory=Idle)
+
+    # ---- reading the step state ---------------------------------------------------
+    @property
+    def step_state(self) -> StepState:
+        return self._step.kind
+
+    @property
+    def partial_grad(self) -> torch.Tensor | None:
+        """ACCUMULATING / REDUCING: the partial G sum of this step (g_layout flat)."""
+        return getattr(self._step, "partial", None)
+
+    @property
+    def synced_grad(self) -> torch.Tensor | None:
+        """The G synced this step (os_layout flat): held from SYNCED until zero_grad()."""
+        step = self._step
+        return step.carried if isinstance(step, (Accumulating, Reducing)) else getattr(
+            step, "grad", None)
+
+    @property
+    def stage_in_flight(self) -> InFlightStage | None:
+        return getattr(self._step, "stage", None)
+
+    @property
+    def pending_update(self) -> PendingUpdate | None:
+        return self._step.update if isinstance(self._step, Sending) else None
+
+    def ready_to_step(self) -> bool:
+        """SYNCED, or REDUCING with its last stage still in flight after the backward."""
+        step = self._step
+        return isinstance(step, Synced) or (isinstance(step, Reducing) and step.stage is not None)
+
+    def _to(self, new: StepValue) -> None:
+        check_transition(self.name, self._step.kind, new.kind)
+        self._step = new
+
+    # ---- gradient path (Note: gradient stages) ------------------------------------
+    def accept_grads(self, flat_p: torch.Tensor, sync: bool) -> None:
+        """This backward's P-shard grads of the unit (p_layout flat buffer, which the unit
+        may keep); ``sync``: the last backward of the step, outside no_sync."""
+        assert self.stage_in_flight is None, f"{self.name}: a gradient stage is still in flight"
+        state = Reducing if sync else Accumulating
+        self._to(state(self.partial_grad, self.synced_grad, None))
+        k_g = self.info.size("g")
+        if k_g == 1:
+            self._add_partial(flat_p)
+            return
+        packed = self.p_layout.pack(flat_p, k_g)
+        g_shard = flat_p.new_empty(self.g_layout.numel)
+        self._issue(GradStage.G_REDUCE, packed, lambda c: c.reduce_scatter(
+            g_shard, packed.view(-1), "g", phase="sync" if sync else "backward"))
+
+    def advance(self, entry: InFlightStage, result: torch.Tensor) -> None:
+        """``entry``, this unit's stage in flight, completed with ``result``: run the
+        next stage (the root calls this in issue order)."""
+        step = self._step
+        assert step.stage is entry, f"{self.name}: completed a stage it does not hold"
+        self._step = dataclasses.replace(step, stage=None)  # same state, stage done
+        if entry.stage is GradStage.G_REDUCE:
+            self._add_partial(result)
+        elif entry.stage is GradStage.OS_REDUCE:
+            self._issue_replica_reduce(result)
+        else:
+            self._store_synced(result)
+
+    def _add_partial(self, g_shard: torch.Tensor) -> None:
+        step = self._step
+        if step.partial is None:
+            partial = g_shard
+        else:
+            partial = step.partial
+            partial += g_shard
+        self._step = dataclasses.replace(step, partial=partial)
+        if isinstance(step, Reducing):
+            self._issue_sync()
+
+    def _issue_sync(self) -> None:
+        """Reduce this step's G across the ranks holding the same shard (last backward)."""
+        grad = self._step.partial
+        self._step = dataclasses.replace(self._step, partial=None)
+        k_g, k_os = self.info.size("g"), self.info.size("os")
+        if k_g == 1 and k_os > 1:
+            # s_g = s_p < s_os: shrink the P-sized G to the OS shard while reducing it.
+            packed = self.p_layout.pack(grad, k_os)
+            os_shard = grad.new_empty(self.os_layout.numel)
+            self._issue(GradStage.OS_REDUCE, packed, lambda c: c.reduce_scatter(
+                os_shard, packed.view(-1), "os", phase="sync"))
+        else:
+            self._issue_replica_reduce(grad)
+
+    def _issue_replica_reduce(self, os_shard: torch.Tensor) -> None:
+        if self.info.size("rep") > 1:
+            self._issue(GradStage.REP_REDUCE, None,
+                        lambda c: c.all_reduce(os_shard, "rep", phase="sync"))
+        else:
+            self._store_synced(os_shard)
+
+    def _issue(self, stage: GradStage, keepalive, issue) -> None:
+        with record_function(self.profile_label(f"AMSP::{stage.value}_issue")):
+            pending = issue(self.root.collectives)
+        entry = InFlightStage(self, stage, pending, keepalive)
+        self._step = dataclasses.replace(self._step, stage=entry)
+        self.root.enqueue(entry)
+
+    def _store_synced(self, os_shard: torch.Tensor) -> None:
+        # Several syncing backwards in one step add up, as DDP's do.
+        carried = self._step.carried
+        if carried is None:
+            grad = os_shard
+        else:
+            grad = carried
+            grad += os_shard
+        self._to(Synced(grad))
+
+    # ---- optimizer step and update -----------------------------------------------
+    @torch.no_grad()
+    def send(self, masters: list) -> None:
+        """After the step (SYNCED): the new weights from the fp32 masters back to the P
+        shards: a local copy if s_os == s_p (UPDATED), else the all-gather over the OS
+        subgroup is issued (SENDING; ``land`` completes it)."""
+        grad = self._step.grad
+        with record_function(self.profile_label("AMSP::param_update_issue")):
+            issued = param_update.issue(self, masters, self.root.collectives)
+        if issued is None:
+            self._to(Updated(grad))
+        else:
+            self._to(Sending(grad, PendingUpdate(*issued, versions=self.write_versions())))
+
+    @torch.no_grad()
+    def land(self) -> list[str]:
+        """Land the all-gathered new P rows (no-op unless SENDING); returns the FQNs of
+        the params written in place since the update was sent (param_update.py's Note)."""
+        step = self._step
+        if not isinstance(step, Sending):
+            return []
+        pending = step.update
+        now = self.write_versions()
+        n = len(self.params)  # versions: each param's, then (FSDP) each local tensor's
+        moved = sorted({i % n for i, (a, b) in enumerate(zip(now, pending.versions)) if a != b})
+        names = self.param_fqns if len(self.param_fqns) == n else [self.name] * n
+        self._to(Updated(step.grad))
+        with record_function(self.profile_label("AMSP::param_update_land")):
+            param_update.unpack(self, pending.comm)
+        return list(dict.fromkeys(names[i] for i in moved))
+
+    def written_while_pending(self) -> bool:
+        """A param was written in place while this unit's update is in flight."""
+        pending = self.pending_update
+        return pending is not None and self.write_versions() != pending.versions
+
+    @torch.no_grad()
+    def overwrite(self, masters: list) -> None:
+        """Masters -> P now (a checkpoint was loaded; nothing may be in flight)."""
+        assert self.pending_update is None, "land the update before loading the masters"
+        issued = param_update.issue(self, masters, self.root.collectives)
+        if issued is not None:
+            param_update.unpack(self, issued[0])
+
+    def drop_grads(self) -> None:
+        """``zero_grad()``: no stage may be in flight (the root completes them first).
+        A SENDING unit keeps its update in flight; every other state goes to IDLE."""
+        assert self.stage_in_flight is None, f"{self.name}: zero_grad with a stage in flight"
+        if isinstance(self._step, Sending):
+            self._step = dataclasses.replace(self._step, grad=None)
+        else:
+            self._to(Idle())
+
+    def reset(self) -> None:
+        """After a forward or backward raised (the root has waited for every stage and
+        landed every update): drop this iteration's gradients and FSDP2's state."""
+        if self.uses_fsdp:
+            compat.fsdp_reset_iteration(self.module)
+        for param in self.params:
+            param.grad = None
+        self._to(Idle())
+
+    # ---- parameters ---------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The unit's params in the order of the flat gradient buffers. For FSDP units,
+        FSDP's sharded params, read each time: materialising a meta model (to_empty)
+        lets FSDP swap them."""
+        if self.uses_fsdp:
+            return [fp.sharded_param for fp in compat.fsdp_params(self.module)
+                    if fp.sharded_param.requires_grad]
+        return self.own_params
+
+    @property
+    def name(self) -> str:
+        return self.fqn or type(self.module).__name__
+
+    def profile_label(self, label: str) -> str:
+        """A profiler range name, FSDP2-style: ``AMSP::<phase> (<unit fqn>)``."""
+        return f"{label} ({self.fqn})" if self.fqn else label
+
+    def refresh_params(self) -> bool:
+        """For s_p = 1 units: pick up Parameter objects that ``module.to_empty`` (materialising
+        a meta model) may have replaced. Returns True if any changed (hooks need re-adding)."""
+        if self.uses_fsdp:
+            return False
+        current = [self.modules[i].get_parameter(name)
+                   for i, name in zip(self.param_module, self.param_names)]
+        changed = any(a is not b for a, b in zip(current, self.own_params))
+        self.own_params = current
+        return changed
+
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's P rows of each param, as plain tensors sharing the param storage."""
+        if self.uses_fsdp:
+            return [p.to_local() for p in self.params]
+        return [p.data for p in self.params]
+
+    def write_versions(self) -> tuple[int, ...]:
+        """Version counters that move when a P shard is written in place: each param's
+        own (``p.mul_()``, ``p.copy_()``, ``load_state_dict``) and, for FSDP units, its
+        local tensor's (``p.to_local().mul_()``). A write through ``p.data`` moves neither."""
+        params = self.params
+        local = [p.to_local() for p in params] if self.uses_fsdp else []
+        return tuple(compat.tensor_version(t) for t in [*params, *local])
+
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of G and of every gradient collective: the policy's reduce_dtype, else
+        the parameters' dtype."""
+        return self.reduce_dtype or self.params[0].dtype
+
+    def check_device(self) -> None:
+        """The P shards must still be where they were sharded: the masters, layouts and
+        process groups were all built for that device. A unit sharded on the meta device
+        (torchtitan's flow) takes the device it is materialised on (``to_empty``)."""
+        local = self.local_params()
+        if not local or local[0].device == self.device:
+            return
+        if self.device.type == "meta":
+            self.device = local[0].device
+        else:
+            raise RuntimeError(
+                f"AMSP unit {self.name} was sharded on {self.device} but its parameters are "
+                f"now on {local[0].device}: move the model before amsp.fully_shard (or build "
+                "it on the target device), not after"
+            )
