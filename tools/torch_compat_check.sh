@@ -60,8 +60,8 @@ for module in test_compat test_engine test_titan test_checkpoint; do
   "$py" -m pytest -q -p no:cacheprovider "tests/$module.py" > "$log/$module.txt" 2>&1
   rc=$?
   [ "$rc" -eq 0 ] || status=1
-  # pytest's closing line, e.g. "=== 2 failed, 24 passed in 8.1s ==="
-  tally=$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$log/$module.txt" | tail -1 | tr -d '=' | xargs)
+  # pytest's closing line, e.g. "2 failed, 24 passed in 8.1s" (-q prints no ===)
+  tally=$(grep -E "(passed|failed|error|skipped).* in [0-9.]+s" "$log/$module.txt" | tail -1 | tr -d "=" | xargs)
   echo "$module: ${tally:-no tally (exit $rc)} [$((SECONDS - start)) s]"
   grep -E '^(FAILED|ERROR) ' "$log/$module.txt" | head -20 | sed 's/^/    /'
 done
