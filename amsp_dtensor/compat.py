@@ -16,15 +16,57 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+# Supported torch: 2.13, 2.14 and 2.15 (pyproject.toml; docs/torch_versions.md). Where
+# torch changed a name or a behaviour inside that range, the choice is made once, below,
+# by feature detection (what the installed torch has), not by version number: a backport
+# or a nightly then takes the right branch too. Each such choice says which versions take
+# which branch.
+
+
+def public_set_timeout(dist_module=None):
+    """``torch.distributed.set_timeout`` where it exists (torch 2.14+), else None (2.13,
+    which only has the private ``distributed_c10d._set_pg_timeout``; 2.14+ keeps that one
+    as a deprecated alias that warns with a FutureWarning on every call)."""
+    dist_module = torch.distributed if dist_module is None else dist_module
+    return getattr(dist_module, "set_timeout", None)
+
+
+def fsdp_reset_keeps_accumulated_grads(fsdp_param_cls=None) -> bool:
+    """Whether FSDP2's ``reset_iter_state`` leaves an interrupted backward's gradients in
+    the unsharded params (torch 2.13, 2.14: yes, see ``fsdp_reset_iteration``).
+
+    Detected from ``FSDPParam.unsharded_accumulated_grad``: up to 2.14 it is plain
+    per-instance state that the reset does not touch (so it can, and must, be cleared by
+    hand); torch 2.15 made it a read-only property derived from the unsharded param's
+    grad, and its reset clears that grad itself (assigning the property then raises
+    "property 'unsharded_accumulated_grad' of 'FSDPParam' object has no setter"). The
+    attribute being settable is exactly what the workaround needs to write, so it decides.
+    """
+    if fsdp_param_cls is None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        fsdp_param_cls = FSDPParam
+    attr = getattr(fsdp_param_cls, "unsharded_accumulated_grad", None)
+    return not isinstance(attr, property) or attr.fset is not None
+
+
+def private_names(dist_module=None) -> tuple[tuple[str, str], ...]:
+    """``PRIVATE_NAMES`` for the torch described by ``dist_module`` (default: the installed
+    ``torch.distributed``): a name only some versions need is listed only on those."""
+    names = _ALWAYS_PRIVATE
+    if public_set_timeout(dist_module) is None:  # torch 2.13
+        names += (("torch.distributed.distributed_c10d", "_set_pg_timeout"),)
+    return names
+
+
 # Module- and class-level names, checked statically by tests/test_compat.py. Instance
 # attributes (FSDPParam._orig_size, FSDPState._comm_ctx, ...) are checked there by calling
 # the accessors below on a real one-rank FSDP2 model.
-PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+_ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultAllGather"),
     ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultReduceScatter"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
-    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     ("torch._C", "_current_graph_task_id"),
     ("torch.autograd", "Variable._execution_engine.queue_callback"),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
@@ -42,7 +84,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torchtitan.config", "ConfigManager._maybe_load_toml"),
     ("torchtitan.components.optimizer", "OptimizersContainer._validate_length"),
     ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
 )
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
 
 def resolve(module: str, path: str):
@@ -85,18 +129,45 @@ def fsdp_sharded_storage(fsdp_param) -> torch.Tensor:
 
 def fsdp_reset_iteration(module: nn.Module) -> None:
     """FSDP2's ``reset_iter_state()`` for one unit after a forward or backward raised
-    (the root's resets every unit's FSDP state), plus the part it leaves out. Workaround for torch 2.13: the reset reshards every param group but keeps
-    the gradients autograd already accumulated into the *unsharded* params of a unit whose
-    post-backward never ran (the output head's, when backward stopped in the blocks), so
-    the retried backward adds to them: the retried step trains on a gradient that counts
-    part of the failed micro-batch twice (seen as a 1e-5 loss drift one step later)."""
-    for fsdp_param in fsdp_params(module):
-        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is not None:
-            unsharded.grad = None
-        fsdp_param.unsharded_accumulated_grad = None
+    (the root's resets every unit's FSDP state), plus, where FSDP2 needs it, the part it
+    leaves out.
+
+    Workaround for torch 2.13 and 2.14 (``fsdp_reset_keeps_accumulated_grads``): the reset
+    reshards every param group but keeps the gradients autograd already accumulated into
+    the *unsharded* params of a unit whose post-backward never ran (the output head's, when
+    backward stopped in the blocks), so the retried backward adds to them: the retried step
+    trains on a gradient that counts part of the failed micro-batch twice (seen as a 1e-5
+    loss drift one step later). torch 2.15's reset clears those gradients itself, and its
+    ``unsharded_accumulated_grad`` is a read-only property, so there the reset alone runs."""
+    if _RESET_KEEPS_ACCUMULATED_GRADS:
+        for fsdp_param in fsdp_params(module):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
     if module._get_fsdp_state()._is_root is not False:
         module.reset_iter_state()
+
+
+_RESET_KEEPS_ACCUMULATED_GRADS = fsdp_reset_keeps_accumulated_grads()
+
+
+def fsdp_mixed_precision(mp_policy):
+    """``mp_policy`` with its ``reduce_dtype`` made explicit, for handing to FSDP2: the
+    engine's meaning of ``reduce_dtype=None`` ("reduce in the compute dtype:
+    ``param_dtype``, else the parameters' dtype") on every torch version.
+
+    torch 2.13 and 2.14 read ``reduce_dtype=None`` so (gradients are computed in
+    ``param_dtype``, and reduced as they are); torch 2.15 changed the default to reducing
+    in the parameters' grad dtype, which would turn a bf16-compute, fp32-parameter unit's
+    reduce-scatter (and the G buffers the engine builds from its output) into fp32: twice
+    the bytes, other numerics. An explicit ``reduce_dtype`` means the same on all three,
+    so the resolved policy is version-proof. None (no policy) stays None."""
+    if mp_policy is None or mp_policy.reduce_dtype is not None or mp_policy.param_dtype is None:
+        return mp_policy
+    import dataclasses
+
+    return dataclasses.replace(mp_policy, reduce_dtype=mp_policy.param_dtype)
 
 
 def fsdp_unsharded_grads(module: nn.Module) -> list:
@@ -155,7 +226,16 @@ def tensor_version(t: torch.Tensor) -> int:
 
 
 def set_pg_timeout(timeout, group) -> None:
-    torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+    """Set ``group``'s timeout for later collectives: the public
+    ``torch.distributed.set_timeout`` (torch 2.14+), else the private
+    ``distributed_c10d._set_pg_timeout`` (2.13, which has no public one)."""
+    if _SET_TIMEOUT is not None:
+        _SET_TIMEOUT(timeout, group)
+    else:
+        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+_SET_TIMEOUT = public_set_timeout()
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

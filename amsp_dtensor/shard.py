@@ -176,6 +176,7 @@ def fully_shard(
     """
     modules = _as_module_list(module)
     info = _check_args(modules, mesh, plan, mp_policy, reshard_after_forward)
+    mp_policy = compat.fsdp_mixed_precision(mp_policy)  # reduce_dtype=None: same on every torch
     first_name: dict = {}
     located = [(i, name, param) for i, m in enumerate(modules)
                for name, param in _owned_params(m, first_name)]

@@ -1,12 +1,17 @@
-"""Every private torch / torchtitan name the project uses still exists in the pinned
-versions: module- and class-level names statically, instance attributes through the
-accessors on a real one-rank FSDP2 model. A failure names the internal that moved."""
+"""Every private torch / torchtitan name the project uses still exists in the installed
+torch (any of the supported range): module- and class-level names statically, instance
+attributes through the accessors on a real one-rank FSDP2 model. A failure names the
+internal that moved. The version-dependent choices compat.py makes are tested both on the
+installed torch and, for the branches another torch would take, on stand-ins."""
 
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import pathlib
+import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -26,6 +31,180 @@ def test_private_name_exists(module, path):
 
         cpu_compat.apply()
     compat.resolve(module, path)
+
+
+def test_private_names_list_what_this_torch_needs():
+    """PRIVATE_NAMES is private_names() of the installed torch: the private timeout setter
+    is listed exactly where torch has no public one."""
+    assert compat.PRIVATE_NAMES == compat.private_names()
+    listed = ("torch.distributed.distributed_c10d", "_set_pg_timeout") in compat.PRIVATE_NAMES
+    assert listed == (not hasattr(dist, "set_timeout"))
+
+
+# ---- the branches another torch takes, on stand-ins ---------------------------------------
+_TORCH_2_13_DIST = types.SimpleNamespace()  # torch.distributed without set_timeout
+
+
+def _torch_2_14_dist(calls):
+    return types.SimpleNamespace(set_timeout=lambda timeout, group=None: calls.append(
+        (timeout, group)))
+
+
+def test_private_timeout_setter_is_listed_only_without_the_public_one():
+    private = ("torch.distributed.distributed_c10d", "_set_pg_timeout")
+    old, new = compat.private_names(_TORCH_2_13_DIST), compat.private_names(_torch_2_14_dist([]))
+    assert private in old and private not in new
+    assert set(old) - {private} == set(new)
+    assert ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam") in new
+
+
+def test_set_pg_timeout_takes_the_public_setter_where_it_exists(monkeypatch):
+    calls, group, timeout = [], object(), timedelta(seconds=7)
+    stand_in = _torch_2_14_dist(calls)
+    assert compat.public_set_timeout(stand_in) is stand_in.set_timeout
+    assert compat.public_set_timeout(_TORCH_2_13_DIST) is None
+    monkeypatch.setattr(compat, "_SET_TIMEOUT", stand_in.set_timeout)
+    compat.set_pg_timeout(timeout, group)
+    assert calls == [(timeout, group)]
+
+
+def test_set_pg_timeout_falls_back_to_the_private_setter(monkeypatch):
+    calls, group, timeout = [], object(), timedelta(seconds=9)
+    monkeypatch.setattr(compat, "_SET_TIMEOUT", None)
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
+                        lambda t, g: calls.append((t, g)), raising=False)
+    compat.set_pg_timeout(timeout, group)
+    assert calls == [(timeout, group)]
+
+
+def test_the_installed_torch_picks_its_own_timeout_setter():
+    assert compat.public_set_timeout() is getattr(dist, "set_timeout", None)
+
+
+class _FSDPParam_2_13:  # plain per-instance state (torch 2.13, 2.14)
+    unsharded_accumulated_grad: torch.Tensor | None
+
+    def __init__(self):
+        self.unsharded_accumulated_grad = None
+
+
+class _FSDPParam_2_15:  # a read-only view of the unsharded param's grad (torch 2.15)
+    @property
+    def unsharded_accumulated_grad(self):
+        return None
+
+
+class _FSDPParam_settable_property:
+    @property
+    def unsharded_accumulated_grad(self):
+        return self._grad
+
+    @unsharded_accumulated_grad.setter
+    def unsharded_accumulated_grad(self, value):
+        self._grad = value
+
+
+def test_reset_workaround_is_detected_per_fsdp_param_class():
+    assert compat.fsdp_reset_keeps_accumulated_grads(_FSDPParam_2_13) is True
+    assert compat.fsdp_reset_keeps_accumulated_grads(_FSDPParam_settable_property) is True
+    assert compat.fsdp_reset_keeps_accumulated_grads(_FSDPParam_2_15) is False
+    with pytest.raises(AttributeError, match="no setter"):  # what the workaround hit on 2.15
+        _FSDPParam_2_15().unsharded_accumulated_grad = None
+
+
+def test_reduce_dtype_none_is_resolved_to_the_compute_dtype():
+    from torch.distributed.fsdp import MixedPrecisionPolicy as MP
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    resolved = compat.fsdp_mixed_precision(MP(param_dtype=bf16, output_dtype=fp32,
+                                              cast_forward_inputs=False))
+    assert resolved == MP(param_dtype=bf16, reduce_dtype=bf16, output_dtype=fp32,
+                          cast_forward_inputs=False)
+    explicit = MP(param_dtype=bf16, reduce_dtype=fp32)
+    assert compat.fsdp_mixed_precision(explicit) is explicit
+    plain = MP()  # no cast: the grads are in the params' dtype on every version
+    assert compat.fsdp_mixed_precision(plain) is plain
+    assert compat.fsdp_mixed_precision(None) is None
+
+
+# ---- on the installed torch --------------------------------------------------------------
+@pytest.fixture
+def one_rank(tmp_path):
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        yield torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+class _FailOnce(nn.Module):
+    """Identity whose output's gradient raises once: backward stops between the two
+    linears, after the second one's weight and bias grads were accumulated."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        y = x * 1.0
+        if self.armed:
+            self.armed = False
+            y.register_hook(self._raise)
+        return y
+
+    @staticmethod
+    def _raise(grad):
+        raise RuntimeError("backward interrupted")
+
+
+def _interrupted_unit(mesh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), _FailOnce(), nn.Linear(3, 2))
+    reference = copy.deepcopy(model)
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(5, 4)
+    model[1].armed = True
+    with pytest.raises(RuntimeError, match="backward interrupted"):
+        model(x).square().sum().backward()
+    return model, reference, x
+
+
+def test_reset_after_an_interrupted_backward_drops_its_grads(one_rank):
+    """On the installed torch, fsdp_reset_iteration leaves no gradient of the failed
+    backward behind (by the workaround or by FSDP2's own reset), and the retried backward
+    gives the plain model's gradients."""
+    model, reference, x = _interrupted_unit(one_rank)
+    stale = compat.fsdp_unsharded_grads(model)
+    assert [g is not None for g in stale] == [False, False, True, True]  # the 2nd linear's
+    compat.fsdp_reset_iteration(model)
+    assert compat.fsdp_unsharded_grads(model) == [None] * 4
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, ref), param in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), ref.grad, rtol=0, atol=0,
+                                   msg=name)
+
+
+def test_reset_workaround_is_needed_exactly_where_it_is_detected(one_rank, monkeypatch):
+    """The detection against the installed FSDP2: where it says the reset keeps the
+    grads, the reset alone does keep them; where it says not, the workaround could not
+    even run (the property has no setter)."""
+    model, _, _ = _interrupted_unit(one_rank)
+    if compat.fsdp_reset_keeps_accumulated_grads():
+        monkeypatch.setattr(compat, "_RESET_KEEPS_ACCUMULATED_GRADS", False)
+        compat.fsdp_reset_iteration(model)  # FSDP2's reset alone
+        assert [g is not None for g in compat.fsdp_unsharded_grads(model)] == [
+            False, False, True, True]
+    else:
+        with pytest.raises(AttributeError, match="no setter"):
+            compat.fsdp_params(model)[0].unsharded_accumulated_grad = None
+        compat.fsdp_reset_iteration(model)
+        assert compat.fsdp_unsharded_grads(model) == [None] * 4
 
 
 def test_fsdp_instance_internals_on_a_real_unit(tmp_path):

@@ -1,9 +1,14 @@
-"""The shims that let torchtitan 0.2.2 train on CPU (gloo) with torch 2.13, in one place.
+"""The shims that let torchtitan 0.2.2 train on CPU (gloo) with torch 2.13-2.15, in one place.
 
 Applied by ``apply()`` only when no accelerator exists (``torch.accelerator.is_available()``
 is False); on a GPU machine this module changes nothing. Each shim names the error it
-answers, seen on torch 2.13+cpu with torchtitan 0.2.2. ``apply()`` must run before
-``torchtitan`` is first imported (shims 1 and 2 act at import time); it is idempotent.
+answers, seen on torch 2.13+cpu with torchtitan 0.2.2, and which torch versions need it:
+most answer torchtitan 0.2.2 assuming CUDA, which no torch version changes; (4) and (6)
+answer torch behaviour that torch 2.13, 2.14 and 2.15 all still have (docs/torch_versions.md).
+Where the bug is absent a shim does nothing: (1) when a real triton is installed (the
+CUDA builds of torch bring one), (2) when torch finds a device. ``apply()`` must run
+before ``torchtitan`` is first imported (shims 1 and 2 act at import time); it is
+idempotent.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def apply() -> bool:
 #       ModuleNotFoundError: No module named 'triton'
 #     The kernels are only used by MoE token permutation (not by llama3). A stub module
 #     stands in for them and fails loudly if an MoE model ever calls it on CPU.
+#     Needed wherever triton is missing (torch's CPU wheels, any version); the CUDA builds
+#     of torch 2.14.1 and 2.15.0 install triton, and then nothing is stubbed.
 def _stub_moe_triton_kernels() -> None:
     name = "torchtitan.models.moe.kernels"
     if name in sys.modules:
@@ -80,7 +87,8 @@ def _stub_moe_triton_kernels() -> None:
 #     `device_module.set_device(...)`:
 #       AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'
 #     Make the probe answer "cpu" while that module is imported, and fix up any torchtitan
-#     module that already copied the wrong values.
+#     module that already copied the wrong values. A torchtitan 0.2.2 bug: needed on every
+#     torch in range (the probe answers None without an accelerator on 2.13-2.15).
 def _force_cpu_device_probe() -> None:
     from ..compat import device_probe, set_device_probe
 
@@ -108,7 +116,9 @@ def _force_cpu_device_probe() -> None:
 #     lacks:
 #       AttributeError: module 'torch.cpu' has no attribute 'get_device_name'
 #     Replace it with a monitor of this process's resident memory (VmRSS / VmHWM peak from
-#     /proc; the peak is reset by writing 5 to /proc/self/clear_refs).
+#     /proc; the peak is reset by writing 5 to /proc/self/clear_refs). Needed with
+#     torchtitan 0.2.2 on torch 2.13-2.15: none of them has torch.cpu.get_device_name or
+#     torch.cpu.memory_stats.
 class CpuMemoryMonitor:
     device_name = "cpu"
 
@@ -160,7 +170,9 @@ def _cpu_memory_monitor() -> None:
 #     FSDP2 then reduces with ReduceOp.PREMUL_SUM, which gloo rejects in the first backward:
 #       RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo
 #     With factor 1.0 a plain SUM is the same math; FSDP2 has a switch for it. (Used by the
-#     torchtitan FSDP baseline run; the AMSP engine chooses its own reduce ops.)
+#     torchtitan FSDP baseline run; the AMSP engine chooses its own reduce ops.) Needed on
+#     torch 2.13-2.15: gloo rejects PREMUL_SUM in each (the message is in all three
+#     libtorch_cpu builds).
 def _fsdp_sum_reduction_for_gloo() -> None:
     import torchtitan.models.llama3.infra.parallelize as llama_par
     from torch.distributed.fsdp import FSDPModule
@@ -180,7 +192,9 @@ def _fsdp_sum_reduction_for_gloo() -> None:
 #     `barrier(device_ids=[device_module.current_device()])`; on CPU current_device() is the
 #     string "cpu" and gloo's barrier rejects it:
 #       TypeError: (): incompatible function arguments.
-#     Same function, barrier without device_ids.
+#     Same function, barrier without device_ids. A torchtitan 0.2.2 bug (it passes a
+#     string where barrier takes device indices), needed on torch 2.13-2.15; the timeout
+#     is set through compat.set_pg_timeout (torch's public set_timeout on 2.14+).
 def _pg_timeouts_without_device_ids() -> None:
     import torchtitan.distributed.utils as dist_utils
 
@@ -191,7 +205,8 @@ def _pg_timeouts_without_device_ids() -> None:
             for mesh in parallel_dims.get_all_one_dimensional_meshes().values()
         ] + [None]
         with warnings.catch_warnings():
-            # torch warns that only nccl/gloo support it, even for gloo groups
+            # torch 2.13's private setter warns that only nccl/gloo support it, even for
+            # gloo groups (2.14+'s public set_timeout does not)
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             for group in groups:
                 set_pg_timeout(timeout, group)
@@ -208,7 +223,8 @@ def _pg_timeouts_without_device_ids() -> None:
 #     (not CPU-specific: torch 2.13 with torchtitan 0.2.2.) When the output head is tied
 #     to the embeddings, the separate tok_embeddings and [norm, output] units are skipped,
 #     so all three land in the root unit, as AMSP shards them. Used by the qwen3 FSDP
-#     baseline.
+#     baseline. Needed on torch 2.13-2.15: FSDP2 refuses a shared parameter in two units
+#     in each (the same check, same message).
 def _tied_output_in_the_root_fsdp_unit() -> None:
     import torchtitan.models.llama3.infra.parallelize as llama_par
     import torchtitan.models.llama4.infra.parallelize as llama4_par
@@ -251,7 +267,7 @@ def _tied_output_in_the_root_fsdp_unit() -> None:
 #     does under torchrun:
 #       WARNING - ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config
 #     No accelerator means gloo, which does not read it: drop the variable, torchtitan sets
-#     its value without the warning.
+#     its value without the warning. torchtitan 0.2.2, any torch.
 def _no_nccl_error_handling_env() -> None:
     os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
 
@@ -263,6 +279,7 @@ def _no_nccl_error_handling_env() -> None:
 #       WARNING - Peak flops undefined for: cpu, fallback to A100
 #     A CPU's peak FLOP rate is unknown: answer NaN, so "mfu" reads nan% instead of a
 #     fraction of an A100 (the AMSP metrics drop it from TensorBoard, see titan/metrics.py).
+#     torchtitan 0.2.2, any torch.
 def _no_gpu_peak_flops_probe() -> None:
     import torchtitan.tools.utils as titan_utils
 
