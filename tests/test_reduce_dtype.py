@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import amsp_dtensor as amsp
 from amsp_dtensor import compat
 from amsp_dtensor.observe.recorder import record_comms
-from amsp_dtensor.state import find_state
+from amsp_dtensor.handle import root_state
 
 # two bias-free linears, one unit: 8x8 + 4x8 weights, rows divisible by s_p = 2 (no padding)
 NUMEL = 8 * 8 + 4 * 8
@@ -44,10 +44,8 @@ def _gradient_comms(policy, model_dtype=torch.float32):
     amsp.fully_shard(model, mesh=mesh, plan=plan, mp_policy=policy)
     with record_comms() as rec:
         model(torch.randn(3, 8, dtype=model_dtype)).float().sum().backward()
-        state = find_state(model)
-        from amsp_dtensor import grad
-
-        grad.finish_sync(state)
+        state = root_state(model)
+        state.finish_sync()
     unit = state.units[0]
     comms = {(e.op, e.dim): e.nbytes for e in rec.events if e.op == "reduce_scatter"}
     return comms, unit
@@ -61,8 +59,8 @@ def test_reduce_dtype_none_reduces_in_param_dtype(fake_four_ranks):
     assert comms == {("reduce_scatter", "p"): NUMEL * bf16,
                      ("reduce_scatter", "os"): NUMEL // 2 * bf16}
     assert unit.grad_dtype() is torch.bfloat16
-    assert unit.grad_synced.dtype is torch.bfloat16
-    assert unit.grad_synced.numel() == NUMEL // 4
+    assert unit.synced_grad.dtype is torch.bfloat16
+    assert unit.synced_grad.numel() == NUMEL // 4
 
 
 def test_explicit_reduce_dtype_is_kept(fake_four_ranks):
@@ -71,10 +69,10 @@ def test_explicit_reduce_dtype_is_kept(fake_four_ranks):
     fp32 = 4
     assert comms == {("reduce_scatter", "p"): NUMEL * fp32,
                      ("reduce_scatter", "os"): NUMEL // 2 * fp32}
-    assert unit.grad_synced.dtype is torch.float32
+    assert unit.synced_grad.dtype is torch.float32
 
 
 def test_no_policy_reduces_in_the_params_dtype(fake_four_ranks):
     comms, unit = _gradient_comms(None, model_dtype=torch.bfloat16)
     assert comms == {("reduce_scatter", "p"): NUMEL * 2, ("reduce_scatter", "os"): NUMEL}
-    assert unit.grad_synced.dtype is torch.bfloat16
+    assert unit.synced_grad.dtype is torch.bfloat16
