@@ -61,10 +61,10 @@ def test_overlaps_off_give_the_same_losses_bit_for_bit(features, tmp_path):
     proc = torchrun(FEATURES_FIRST + [
         "--amsp.no-overlap-grad-sync", "--amsp.no-overlap-prefetch",
         "--amsp.no-overlap-step", "--amsp.no-overlap-param-update"], tmp_path)
-    assert ("AMSP Overlap(grad_sync=False, prefetch=False, step=False), "
-            "overlap_param_update=False") in proc.stdout + proc.stderr
-    assert "AMSP Overlap(grad_sync=True, prefetch=True, step=True), " \
-        "overlap_param_update=True" in features["first_log"]
+    assert ("AMSP Overlap(grad_sync=False, prefetch=False, step=False, "
+            "param_update=False)") in proc.stdout + proc.stderr
+    assert ("AMSP Overlap(grad_sync=True, prefetch=True, step=True, "
+            "param_update=True)") in features["first_log"]
     assert losses(tmp_path) == features["first_curve"]
 
 

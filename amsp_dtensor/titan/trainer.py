@@ -135,8 +135,7 @@ class AmspTrainer(Trainer):
                 overlap = set_overlap(part, grad_sync=amsp_cfg.overlap_grad_sync,
                                       prefetch=amsp_cfg.overlap_prefetch,
                                       step=amsp_cfg.overlap_step)
-            logger.info(f"AMSP {overlap}, overlap_param_update="
-                        f"{amsp_cfg.overlap_param_update}")
+            logger.info(f"AMSP {overlap}")  # all four switches, param_update included
         if self.amsp_plan is not None:
             self.checkpointer.states[RNG_KEY] = RngState()
             self.checkpointer.dcp_load = _refuse_misfits(self.checkpointer.dcp_load)
