@@ -4,20 +4,20 @@ Parameters (P), gradients (G) and optimizer states (OS) each get their own shard
 factor; see docs/layouts.md.
 """
 
-from .cost.comm import predicted_events
-from .cost.planner import NoPlanFits
-from .cost.planner import choose_plan as auto_plan
-from .grad import no_sync, set_gradient_divide_factor
-from .layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS, gather_full
-from .mesh import init_mesh
+from .plan.cost.comm import predicted_events
+from .plan.cost.planner import NoPlanFits
+from .plan.cost.planner import choose_plan as auto_plan
+from .engine.grad import no_sync, set_gradient_divide_factor
+from .engine.layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS, gather_full
+from .engine.mesh import init_mesh
 from .observe import CommEvent, CommRecorder, record_comms
 from .observe.backward_memory import track_backward_memory
 from .observe.memory import memory_by_state
-from .optim import AMSPOptimizer
-from .param_update import ParamWrittenWhilePending
-from .overlap import Overlap, set_overlap
+from .engine.optim import AMSPOptimizer
+from .engine.param_update import ParamWrittenWhilePending
+from .engine.overlap import Overlap, set_overlap
 from .plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
-from .shard import fully_shard
+from .engine.shard import fully_shard
 
 __all__ = [
     "AMSPOptimizer",

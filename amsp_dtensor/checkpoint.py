@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import handle
+from .engine import handle
 
 __all__ = ["CheckpointMismatch", "save", "load", "latest_step", "step_path"]
 

@@ -81,8 +81,8 @@ def check_schedule(case, plan, world, per_node, micro_batches, variant):
 def check_cost_model(case, plan, world, per_node, micro_batches, variant):
     """The planner's cost model predicts exactly what the engine did (bytes per collective
     and the state bytes of every rank), on the same runs as the checks above."""
-    from amsp_dtensor.cost.check import schedule_differences, unit_param_shapes_of
-    from amsp_dtensor.cost.memory import state_bytes_of_rank
+    from amsp_dtensor.plan.cost.check import schedule_differences, unit_param_shapes_of
+    from amsp_dtensor.plan.cost.memory import state_bytes_of_rank
     from amsp_dtensor.plan import ShardingPlan
     from amsp_dtensor.testing.tiny_llama import TinyLlama
 

@@ -7,7 +7,7 @@ import torch
 
 import amsp_dtensor as amsp
 from amsp_dtensor.plan import ShardingPlan, enumerate_plans
-from amsp_dtensor.handle import root_state
+from amsp_dtensor.engine.handle import root_state
 from amsp_dtensor.testing.multiproc import run_on_ranks
 from amsp_dtensor.testing.scenarios import amsp_training, make_model, shard_model
 

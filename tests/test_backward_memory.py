@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from amsp_dtensor.cost.backward_peak import predict_backward_grad_bytes, unit_sizes
+from amsp_dtensor.plan.cost.backward_peak import predict_backward_grad_bytes, unit_sizes
 from amsp_dtensor.plan import ShardingPlan, enumerate_plans
 from amsp_dtensor.testing.multiproc import run_on_ranks
 

@@ -306,7 +306,7 @@ def test_dominated_configurations_are_pruned_within_their_system():
 def test_possible_picks_are_every_pick_the_planner_makes_at_any_budget():
     """The planner asked at every plan's estimate gives the same picks as asked on a fine
     grid of budgets over the whole range (2 nodes x 2 ranks, alpha-beta at 1 Gbit/s)."""
-    from amsp_dtensor.cost.planner import NoPlanFits
+    from amsp_dtensor.plan.cost.planner import NoPlanFits
     from tools import bench_frontier as B
     from tools import bench_systems as S
     from tools import bench_worker as W

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from amsp_dtensor.cost.bandwidth import BandwidthTableError, load_table, parse_table, SCHEMA
-from amsp_dtensor.cost.comm import (
+from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError, load_table, parse_table, SCHEMA
+from amsp_dtensor.plan.cost.comm import (
     AlphaBeta,
     GroupShape,
     dim_group,

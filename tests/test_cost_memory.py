@@ -7,15 +7,15 @@ import copy
 
 import pytest
 
-from amsp_dtensor.cost.memory import (
+from amsp_dtensor.plan.cost.memory import (
     activation_bytes,
     block_activation_bytes_per_token,
     root_activation_bytes_per_token,
     state_bytes,
     state_bytes_of_rank,
 )
-from amsp_dtensor.cost.models import MODELS
-from amsp_dtensor.cost.padding import padded_numel, shard_numel
+from amsp_dtensor.plan.cost.models import MODELS
+from amsp_dtensor.plan.cost.padding import padded_numel, shard_numel
 from amsp_dtensor.plan import ShardingPlan
 
 
@@ -120,9 +120,9 @@ def test_activation_formula_equals_saved_tensors(titan_model, dtype_name, e):
 
 
 def test_reduce_dtype_reserve_and_fused_norm():
-    from amsp_dtensor.cost.comm import predicted_events
-    from amsp_dtensor.cost.memory import estimate_memory, state_bytes
-    from amsp_dtensor.cost.models import MODELS
+    from amsp_dtensor.plan.cost.comm import predicted_events
+    from amsp_dtensor.plan.cost.memory import estimate_memory, state_bytes
+    from amsp_dtensor.plan.cost.models import MODELS
     from amsp_dtensor.plan import ShardingPlan
 
     m = MODELS["llama3_debugmodel"]
@@ -158,7 +158,7 @@ def test_reduce_dtype_reserve_and_fused_norm():
 
 
 def test_step_bytes_by_hand():
-    from amsp_dtensor.cost.memory import estimate_memory, step_bytes
+    from amsp_dtensor.plan.cost.memory import estimate_memory, step_bytes
 
     m = MODELS["llama_7b"]  # every dim0 divides 8: phi/s exactly
     phi = m.num_params
@@ -197,7 +197,7 @@ def test_temp_bytes_take_the_largest_moment_of_backward():
     last block's buffers freed) and the root's post-backward at the end."""
     import dataclasses
 
-    from amsp_dtensor.cost.memory import temp_bytes
+    from amsp_dtensor.plan.cost.memory import temp_bytes
 
     blocks = MODELS["llama3_debugmodel"]
     titan = dataclasses.replace(blocks, layout="titan")
@@ -242,7 +242,7 @@ def test_temp_bytes_count_the_os_reduce_scatter_of_a_syncing_hook():
     over "os" (k_os * OS_u) and receives OS_u, beside the unit's grads and their flat copy."""
     import dataclasses
 
-    from amsp_dtensor.cost.memory import temp_bytes
+    from amsp_dtensor.plan.cost.memory import temp_bytes
 
     titan = dataclasses.replace(MODELS["llama3_debugmodel"], layout="titan")
     e, seq, mb, V = 4, 64, 1, titan.vocab_size

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from amsp_dtensor.cost.models import MODELS, ModelShape, get_model, llama3_ffn_hidden
+from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model, llama3_ffn_hidden
 
 
 def test_debugmodel_params_by_hand():

@@ -5,8 +5,8 @@ NICs per 8 GPUs, 16 channels, Ampere, x86 Intel."""
 
 import pytest
 
-from amsp_dtensor.cost.comm import GroupShape
-from amsp_dtensor.cost.nccl import NcclModel, comparison_table, node_nic_bytes, wire_bytes
+from amsp_dtensor.plan.cost.comm import GroupShape
+from amsp_dtensor.plan.cost.nccl import NcclModel, comparison_table, node_nic_bytes, wire_bytes
 
 M = NcclModel()
 IN_NODE = GroupShape(8, 1, 8, 1)
@@ -106,8 +106,8 @@ def test_comparison_table_covers_the_four_shapes():
 
 
 def test_measured_table_overrides_where_it_has_data():
-    from amsp_dtensor.cost.bandwidth import parse_table
-    from amsp_dtensor.cost.planner import TableOverDefaults
+    from amsp_dtensor.plan.cost.bandwidth import parse_table
+    from amsp_dtensor.plan.cost.planner import TableOverDefaults
 
     table = parse_table({"schema": "amsp_dtensor.bandwidth/1", "entries": [
         {"op": "all_gather", "group_size": 8, "stride": 1, "group_ranks_per_node": 8,

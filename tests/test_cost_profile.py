@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from amsp_dtensor.cost.bandwidth import load_table
-from amsp_dtensor.cost.comm import dim_group
+from amsp_dtensor.plan.cost.bandwidth import load_table
+from amsp_dtensor.plan.cost.comm import dim_group
 from amsp_dtensor.plan import enumerate_plans
-from amsp_dtensor.profile import _numel, _size, group_shapes, groups_of
+from amsp_dtensor.plan.profile import _numel, _size, group_shapes, groups_of
 
 
 def test_sizes():
@@ -30,7 +30,7 @@ def test_sizes_round_to_whole_elements_per_rank():
 
 def test_bad_arguments_exit_2_naming_the_flag():
     for flag in ("--rounds", "--repeats", "--min-bytes"):
-        proc = subprocess.run([sys.executable, "-m", "amsp_dtensor.profile", "--out", "x.json",
+        proc = subprocess.run([sys.executable, "-m", "amsp_dtensor.plan.profile", "--out", "x.json",
                                flag, "0"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr.splitlines()[-1], proc.stderr
         assert "Traceback" not in proc.stderr
@@ -58,7 +58,7 @@ def test_groups_tile_the_world():
 def test_profile_runs_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "t.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--standalone", "-m", "amsp_dtensor.profile", "--out", str(out),
+           "--standalone", "-m", "amsp_dtensor.plan.profile", "--out", str(out),
            "--ranks-per-node", "1", "--max-bytes", "16K", "--repeats", "2",
            "--target-ms", "1", "--rounds", "2", "--dtype", "float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,

@@ -1,4 +1,4 @@
-"""`python -m amsp_dtensor.simulate` at 64 ranks (8 per node) on torch's fake backend:
+"""`python -m amsp_dtensor.plan.simulate` at 64 ranks (8 per node) on torch's fake backend:
 the real engine's recorded collectives and state bytes equal the cost model's, exactly."""
 
 import dataclasses
@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from amsp_dtensor.cost.comm import predicted_events
-from amsp_dtensor.cost.memory import state_bytes_of_rank, step_bytes
-from amsp_dtensor.cost.models import MODELS
+from amsp_dtensor.plan.cost.comm import predicted_events
+from amsp_dtensor.plan.cost.memory import state_bytes_of_rank, step_bytes
+from amsp_dtensor.plan.cost.models import MODELS
 from amsp_dtensor.plan import ShardingPlan
-from amsp_dtensor.simulate import main
+from amsp_dtensor.plan.simulate import main
 
 PLANS = ["p8-g64-os64", "p1-g1-os8", "p2-g2-os16", "p1-g16-os16", "p64-g64-os64"]
 
@@ -20,7 +20,7 @@ PLANS = ["p8-g64-os64", "p1-g1-os8", "p2-g2-os16", "p1-g16-os16", "p64-g64-os64"
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim") / "sim.json"
-    args = [sys.executable, "-m", "amsp_dtensor.simulate", "--model", "llama3_debugmodel",
+    args = [sys.executable, "-m", "amsp_dtensor.plan.simulate", "--model", "llama3_debugmodel",
             "--gpus", "64", "--gpus-per-node", "8", "--rank", "63", "--layers", "2",
             "--json", str(out)]
     for p in PLANS:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from amsp_dtensor.cost.comm import GroupShape, PlannedComm, predicted_events
-from amsp_dtensor.cost.models import ModelShape
-from amsp_dtensor.cost.step import (
+from amsp_dtensor.plan.cost.comm import GroupShape, PlannedComm, predicted_events
+from amsp_dtensor.plan.cost.models import ModelShape
+from amsp_dtensor.plan.cost.step import (
     OPTIM_STEP_BYTES, ComputeModel, model_flops_per_token, step_time)
 from amsp_dtensor.plan import ShardingPlan
 

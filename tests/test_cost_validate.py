@@ -1,4 +1,4 @@
-"""The cost-model validation harness (amsp_dtensor/cost/validate.py) on 2 gloo ranks:
+"""The cost-model validation harness (amsp_dtensor/plan/validate.py) on 2 gloo ranks:
 every collective of a real step of the debugmodel is timed, and its calls are the
 planner's predicted events, one for one. The numbers of the 4-rank runs (predicted vs
 measured communication time and peak memory) come from tools/cost_validation.sh and are
@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from amsp_dtensor.cost.comm import predicted_events
-from amsp_dtensor.cost.models import MODELS
-from amsp_dtensor.cost.validate import call_breakdown, summarize
+from amsp_dtensor.plan.cost.comm import predicted_events
+from amsp_dtensor.plan.cost.models import MODELS
+from amsp_dtensor.plan.validate import call_breakdown, summarize
 from amsp_dtensor.plan import ShardingPlan
 
 pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
@@ -40,10 +40,10 @@ def run(tmp_path_factory):
     """One profile and one validate run of p2-g2-os2 (FSDP2 over p, RS over os is empty,
     post-step AG over the OS subgroup, clip's scalar AR): W=2 as 2 nodes of 1."""
     d = tmp_path_factory.mktemp("validate")
-    _torchrun("-m", "amsp_dtensor.profile", "--out", str(d / "bw.json"),
+    _torchrun("-m", "amsp_dtensor.plan.profile", "--out", str(d / "bw.json"),
               "--ranks-per-node", "1", "--dtype", "float32", "--max-bytes", "1M",
               "--repeats", "2", "--target-ms", "1", "--rounds", "1")
-    _torchrun("-m", "amsp_dtensor.cost.validate", "--plan", "2,2,2",
+    _torchrun("-m", "amsp_dtensor.plan.validate", "--plan", "2,2,2",
               "--ranks-per-node", "1", "--seq-len", "32", "--micro-batch", "1",
               "--steps", "3", "--table", str(d / "bw.json"), "--out", str(d / "val.json"))
     return d
@@ -92,7 +92,7 @@ def test_summarize_cli_needs_a_table_or_memory(run, tmp_path):
     r["predicted_comm_seconds"] = None  # as a run without --table writes it
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(r))
-    cli = [sys.executable, "-m", "amsp_dtensor.cost.validate", "summarize"]
+    cli = [sys.executable, "-m", "amsp_dtensor.plan.validate", "summarize"]
     proc = subprocess.run(cli + [str(bare)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "pass --table, or --memory" in proc.stderr
     proc = subprocess.run(cli + ["--memory", str(bare)], capture_output=True, text=True,

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from amsp_dtensor.lifecycle import LifecycleError, StepState, check_transition
+from amsp_dtensor.engine.lifecycle import LifecycleError, StepState, check_transition
 
 S = StepState
 # The transitions of the lifecycle Note, written out again: (from, to) pairs allowed.
@@ -49,7 +49,7 @@ def test_two_meshes_of_one_plan_keep_their_own_info(tmp_path):
     equal meshes has its own MeshInfo and keeps it when the other one is collected."""
     import amsp_dtensor as amsp
     from amsp_dtensor import compat
-    from amsp_dtensor.mesh import mesh_info
+    from amsp_dtensor.engine.mesh import mesh_info
 
     owned = not dist.is_initialized()
     if owned:

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from amsp_dtensor.cost.check import schedule_differences, unit_param_shapes_of
-from amsp_dtensor.cost.models import ModelShape
+from amsp_dtensor.plan.cost.check import schedule_differences, unit_param_shapes_of
+from amsp_dtensor.plan.cost.models import ModelShape
 from amsp_dtensor.observe.recorder import CommEvent, overlap_summary
 from amsp_dtensor.plan import ShardingPlan
 from amsp_dtensor.testing.scenarios import reference_training

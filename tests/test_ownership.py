@@ -25,7 +25,8 @@ UNIT_OWNED = {"_step", "partial_grad", "synced_grad", "pending_update", "stage_i
 ROOT_OWNED = {"requires_grad_sync", "gradient_divide_factor", "backward", "in_flight",
               "in_forward", "unsynced_micro_batches", "optimizer_bound", "overlap",
               "forward_order", "forward_order_known", "unit_grad_observers"}
-OWNER = {**{name: "unit.py" for name in UNIT_OWNED}, **{name: "root.py" for name in ROOT_OWNED}}
+UNIT, ROOT, HANDLE = "engine/unit.py", "engine/root.py", "engine/handle.py"
+OWNER = {**{name: UNIT for name in UNIT_OWNED}, **{name: ROOT for name in ROOT_OWNED}}
 
 
 def _written_attributes(tree: ast.AST):
@@ -61,14 +62,14 @@ def _written_attributes(tree: ast.AST):
 def scan(source: str, relpath: str) -> list[str]:
     """Every write in ``source`` (the module at ``relpath`` in the package) that the rules
     above forbid, as 'path:line: why'."""
-    name = Path(relpath).name
+    name = Path(relpath).as_posix()
     found = []
     for line, attr in _written_attributes(ast.parse(source)):
         owner = OWNER.get(attr)
         if owner is not None and name != owner:
             found.append(f"{relpath}:{line}: writes {attr!r}, which only {owner} may write")
-        if attr.startswith("_amsp") and name != "handle.py":
-            found.append(f"{relpath}:{line}: sets {attr!r} on an object (only handle.py may)")
+        if attr.startswith("_amsp") and name != HANDLE:
+            found.append(f"{relpath}:{line}: sets {attr!r} on an object (only {HANDLE} may)")
     return found
 
 
@@ -84,22 +85,22 @@ def test_owned_state_is_written_only_by_its_owner():
 
 def test_the_root_fields_listed_are_the_root_states():
     """ROOT_OWNED is RootState's fields less those set once at construction."""
-    from amsp_dtensor.root import RootState
+    from amsp_dtensor.engine.root import RootState
 
     constructed = {"info", "collectives", "units", "frozen_units", "grad_stream"}
     assert ROOT_OWNED == {f.name for f in dataclasses.fields(RootState)} - constructed
 
 
 @pytest.mark.parametrize("relpath,owner,source,why", [
-    ("optim.py", "unit.py", "unit._step = Idle()\n", "'_step', which only unit.py"),
-    ("grad.py", "unit.py", "unit.grad_synced += g\n", "'grad_synced', which only unit.py"),
-    ("observe/memory.py", "unit.py", "a, unit._step = 1, 2\n", "'_step', which only unit.py"),
-    ("optim.py", "root.py", "self._root.in_flight = []\n", "'in_flight', which only root.py"),
-    ("unit.py", "root.py", "self.root.backward = None\n", "'backward', which only root.py"),
-    ("shard.py", "handle.py", "del sub._amsp_state\n", "'_amsp_state' on an object"),
-    ("shard.py", "handle.py", "setattr(param, '_amsp_unit_of', unit)\n",
+    ("engine/optim.py", UNIT, "unit._step = Idle()\n", "'_step', which only engine/unit.py"),
+    ("engine/grad.py", UNIT, "unit.grad_synced += g\n", "'grad_synced', which only engine/unit.py"),
+    ("observe/memory.py", UNIT, "a, unit._step = 1, 2\n", "'_step', which only engine/unit.py"),
+    ("engine/optim.py", ROOT, "self._root.in_flight = []\n", "'in_flight', which only engine/root.py"),
+    ("engine/unit.py", ROOT, "self.root.backward = None\n", "'backward', which only engine/root.py"),
+    ("engine/shard.py", HANDLE, "del sub._amsp_state\n", "'_amsp_state' on an object"),
+    ("engine/shard.py", HANDLE, "setattr(param, '_amsp_unit_of', unit)\n",
      "'_amsp_unit_of' on an object"),
-    ("mesh.py", "handle.py", "_INFO_ATTR = '_amsp_mesh_info'\nsetattr(mesh, _INFO_ATTR, i)\n",
+    ("engine/mesh.py", HANDLE, "_INFO_ATTR = '_amsp_mesh_info'\nsetattr(mesh, _INFO_ATTR, i)\n",
      "'_amsp_mesh_info' on an object"),
 ])
 def test_the_scan_finds_each_kind_of_forbidden_write(relpath, owner, source, why):

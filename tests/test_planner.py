@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from amsp_dtensor.cost.comm import AlphaBeta
-from amsp_dtensor.cost.nccl import NcclModel
-from amsp_dtensor.cost.planner import STEP_TIME_TIE, NoPlanFits, choose_plan
+from amsp_dtensor.plan.cost.comm import AlphaBeta
+from amsp_dtensor.plan.cost.nccl import NcclModel
+from amsp_dtensor.plan.cost.planner import STEP_TIME_TIE, NoPlanFits, choose_plan
 from amsp_dtensor.plan import enumerate_plans
 from amsp_dtensor.plan.__main__ import main
 

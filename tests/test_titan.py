@@ -283,7 +283,7 @@ def test_error_exit_from_a_fresh_process_has_no_traceback():
 
 
 def test_plan_auto_asks_the_planner():
-    from amsp_dtensor.cost.planner import plan as planner_plan
+    from amsp_dtensor.plan.cost.planner import plan as planner_plan
     from amsp_dtensor.titan import resolve_plan
     from amsp_dtensor.titan.planner_bridge import planner_inputs
     from amsp_dtensor.train import parse_job_config

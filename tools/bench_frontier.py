@@ -46,7 +46,7 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
     which a reserve stands for, is outside it by construction (as in the planner's CPU
     validation). The fitted variant adds the median over the measured AMSP plans of
     measured peak - estimate (at least 0), to show what a calibrated reserve would do."""
-    from amsp_dtensor.cost.planner import NoPlanFits
+    from amsp_dtensor.plan.cost.planner import NoPlanFits
     from tools import bench_systems as S
     from tools import bench_worker as W
 
@@ -110,11 +110,11 @@ def planner_data(data: dict, reserve_bytes: float | None = None) -> dict:
 def time_models(args, rpn: int, profile: dict | None, link_rate: float | None) -> list:
     """[(name, description, time model)]: the profile table of this cluster when there is
     one, and alpha-beta at the shaped link rate when the link is shaped."""
-    from amsp_dtensor.cost import AlphaBeta
+    from amsp_dtensor.plan.cost import AlphaBeta
 
     models = []
     if profile:
-        models.append(("profile", "the profile table of this cluster (amsp_dtensor.profile, "
+        models.append(("profile", "the profile table of this cluster (amsp_dtensor.plan.profile, "
                        "run on it before the sweep)", _table(profile)))
     if link_rate:
         # alpha-beta's inter_bw is one rank's share of its node's link (cost/comm.py)
@@ -136,7 +136,7 @@ def possible_picks(args, world: int, rpn: int, models: list) -> list[str]:
     --prune: the planner's slowdown at a cap compares its pick's median with the best
     plan's, and one repetition of the pick against three of the best would let a single
     noisy sample decide the comparison."""
-    from amsp_dtensor.cost.planner import NoPlanFits
+    from amsp_dtensor.plan.cost.planner import NoPlanFits
     from tools import bench_systems as S
     from tools import bench_worker as W
 
@@ -174,7 +174,7 @@ def sweep_keep(args, profile: dict | None, link_rate: float | None) -> str:
 
 def _table(profile: dict):
     """A BandwidthTable from the profile's JSON dict (load_table reads a path)."""
-    from amsp_dtensor.cost.bandwidth import load_table
+    from amsp_dtensor.plan.cost.bandwidth import load_table
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(profile, f)
@@ -226,7 +226,7 @@ system's fastest configuration under the cap is compared:
   it overlaps the next forward). The baselines' own code has no such timer.
 - The planner's pick is checked against the measured AMSP plans: its rank among those that
   fit the cap (by measured tokens/s) and its slowdown vs the fastest of them. Its time
-  model: a bandwidth profile (`amsp_dtensor.profile`) taken on the same emulated cluster
+  model: a bandwidth profile (`amsp_dtensor.plan.profile`) taken on the same emulated cluster
   just before the sweep; alpha-beta at the shaped link rate is shown beside it. The
   planner's memory model counts tensors (states, activations, temporaries in backward; the
   optimizer step's buffers, with gloo's staging copies: `backend="gloo"`), for torchtitan's
@@ -323,7 +323,7 @@ def parser() -> argparse.ArgumentParser:
                     help="skip the bandwidth profile before the sweep (the planner then "
                          "uses alpha-beta at the link rate only)")
     ap.add_argument("--profile-args", default=PROFILE_ARGS,
-                    help="options of amsp_dtensor.profile for that run")
+                    help="options of amsp_dtensor.plan.profile for that run")
     ap.add_argument("--planner-reserve-mb", type=float, default=None,
                     help="the planner's reserve (default 0: the peaks exclude the runtime; "
                          "a fitted one is shown as a variant)")
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
             spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                                link=link, netns=not args.no_netns, timeout_s=300)
             t0 = time.time()
-            rc = run_cluster(spec, ["-m", "amsp_dtensor.profile", "--out", str(table),
+            rc = run_cluster(spec, ["-m", "amsp_dtensor.plan.profile", "--out", str(table),
                                     *shlex.split(args.profile_args)])
             if rc != 0 or not table.exists():
                 print(f"bandwidth profile failed (exit {rc})", file=sys.stderr)
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     meta = data["meta"]
     if profile is not None:
         data["profile"] = profile
-        meta["profile_command"] = ("python -m amsp_dtensor.profile --out <table> "
+        meta["profile_command"] = ("python -m amsp_dtensor.plan.profile --out <table> "
                                    + args.profile_args)
         meta["profile_s"] = profile_s
     meta["link_rate"] = None if args.no_netns else inter_bw

@@ -6,7 +6,7 @@ import re
 import statistics
 from pathlib import Path
 
-from amsp_dtensor.cost.comm import ring_factor
+from amsp_dtensor.plan.cost.comm import ring_factor
 from tools.bench_systems import SYSTEM_LABELS
 
 MB = 1e6
@@ -274,7 +274,7 @@ max over ranks); median and min-max over repetitions. MB/step = bytes of collect
 (all-gather output, reduce-scatter input, all-reduce / broadcast tensor) of one step; a
 collective is inter-node when its group spans nodes. AMSP's bytes come from
 `amsp.record_comms`; the baselines' from tools/bench_comm.py (a wrapper around the
-torch.distributed calls they make). "model predicts" = amsp_dtensor.cost.comm's schedule
+torch.distributed calls they make). "model predicts" = amsp_dtensor.plan.cost.comm's schedule
 for the equivalent plan (DDP = p1-g1-os1 as one bucket per unit, so only totals compare).
 Peak = glibc malloc bytes in use minus before the build, sampled at block boundaries, the
 output head, after every backward and after the optimizer step (tools/bench_memory.py),

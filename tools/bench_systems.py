@@ -269,10 +269,10 @@ def amsp_units(model: nn.Module, layout: str) -> list:
 
 
 def amsp_unit_shapes(model: nn.Module, layout: str) -> tuple[list[list[tuple]], int]:
-    """(unit param shapes, root unit index) for amsp_dtensor.cost.comm.predicted_events.
+    """(unit param shapes, root unit index) for amsp_dtensor.plan.cost.comm.predicted_events.
     titan: [norm, output] keeps its params after forward (no backward all-gather), which
     the cost model describes as the root unit; the real root then owns no params."""
-    from amsp_dtensor.cost.check import unit_param_shapes_of
+    from amsp_dtensor.plan.cost.check import unit_param_shapes_of
 
     if layout == "blocks":
         return unit_param_shapes_of(model, blocks_of(model))

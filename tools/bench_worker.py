@@ -103,15 +103,15 @@ def parse_plan(name: str, world: int, rpn: int):
 
 
 def planner_choice(args, model_args, world, rpn, reserve_bytes: int = 0, bandwidth=None):
-    """(plan, report dict, note) from amsp_dtensor.cost.planner.choose_plan.
+    """(plan, report dict, note) from amsp_dtensor.plan.cost.planner.choose_plan.
     ``reserve_bytes``: memory outside the modelled tensors, added to every plan's estimate
     (choose_plan's reserve_bytes); ``bandwidth``: choose_plan's time model (e.g. a profile
     table) instead of alpha-beta at --intra-bw / --inter-bw. Raises NoPlanFits when nothing
     fits the budget."""
     import dataclasses
 
-    from amsp_dtensor.cost import AlphaBeta, choose_plan
-    from amsp_dtensor.cost.models import from_torchtitan_args
+    from amsp_dtensor.plan.cost import AlphaBeta, choose_plan
+    from amsp_dtensor.plan.cost.models import from_torchtitan_args
 
     if bandwidth is None:
         bandwidth = AlphaBeta(intra_bw=args.intra_bw, inter_bw=args.inter_bw,
@@ -153,8 +153,8 @@ def planner_choice(args, model_args, world, rpn, reserve_bytes: int = 0, bandwid
 
 def predicted_bytes(system_key, plan, model, blocks, args, world, rpn):
     """The cost model's bytes per step for a system (same schedule formulas as the planner)."""
-    from amsp_dtensor.cost.check import unit_param_shapes_of
-    from amsp_dtensor.cost.comm import bytes_by_locality, event_counter, predicted_events
+    from amsp_dtensor.plan.cost.check import unit_param_shapes_of
+    from amsp_dtensor.plan.cost.comm import bytes_by_locality, event_counter, predicted_events
     from amsp_dtensor.plan import ShardingPlan
 
     if system_key.startswith("amsp"):

@@ -77,7 +77,7 @@ def wire_inter(comm: dict, amsp: bool) -> float | None:
     """Bytes one rank sends per step in groups that span nodes, ring model ((n-1)/n of the
     buffer for all-gather / reduce-scatter, 2(n-1)/n for all-reduce): an all-reduce and a
     reduce-scatter + all-gather of the same buffer send the same bytes."""
-    from amsp_dtensor.cost.comm import ring_factor
+    from amsp_dtensor.plan.cost.comm import ring_factor
 
     events = comm.get("recorder_events") if amsp else comm.get("counted_events")
     if events is None:
@@ -521,7 +521,7 @@ def section(data: dict, command: str, png_name: str) -> str:
                      f"before the sweep ({meta.get('profile_s', 0):.0f} s): "
                      f"`{meta['profile_command']}`.")
     parts += [
-        "- Planner: `amsp_dtensor.cost.planner.choose_plan` with the cap as its memory "
+        "- Planner: `amsp_dtensor.plan.cost.planner.choose_plan` with the cap as its memory "
         "budget, fp32, plans ranked by its predicted step time; time model of the frontier "
         f"table: {variants[0]['desc']}; reserve_bytes = "
         f"{planner.get('reserve_bytes', 0) / MB:.1f} MB ({planner.get('reserve_note', '')}).",

@@ -43,9 +43,10 @@ def main(argv=None) -> int:
         return 2
 
     import amsp_dtensor as amsp
-    from amsp_dtensor import collectives, compat
-    from amsp_dtensor.handle import root_state
-    from amsp_dtensor.lifecycle import StepState
+    from amsp_dtensor.engine import collectives
+    from amsp_dtensor import compat
+    from amsp_dtensor.engine.handle import root_state
+    from amsp_dtensor.engine.lifecycle import StepState
     from amsp_dtensor.testing.tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
 
     device = torch.device(args.device)
@@ -131,7 +132,7 @@ def _fill_engine_all_gathers(collectives) -> None:
 
 def _capture_all_gather_inputs(state) -> dict:
     """Each FSDP unit's all-gather input, cloned on the stream the all-gather runs on."""
-    from amsp_dtensor.collectives import RecordingAllGather
+    from amsp_dtensor.engine.collectives import RecordingAllGather
 
     captured: dict = {}
     for unit in state.units:
@@ -150,7 +151,7 @@ def _capture_all_gather_inputs(state) -> dict:
 
 def _os_rows_of_p(unit) -> list[torch.Tensor]:
     """This rank's OS rows inside its P rows, per param (what the masters hold)."""
-    from amsp_dtensor.layouts import chunk_rows
+    from amsp_dtensor.engine.layouts import chunk_rows
 
     k, index = unit.info.os_split
     out = []

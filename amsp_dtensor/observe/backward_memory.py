@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..handle import root_state
-from ..root import RootState
-from ..unit import AMSPUnit
+from ..engine.handle import root_state
+from ..engine.root import RootState
+from ..engine.unit import AMSPUnit
 from .memory import memory_by_state
 
 __all__ = ["BackwardSample", "BackwardMemoryTracker", "track_backward_memory", "grad_census"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .. import compat
-from ..handle import root_state
+from ..engine.handle import root_state
 
 
 def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:

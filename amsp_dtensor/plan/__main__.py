@@ -15,11 +15,11 @@ import json
 import math
 import sys
 
-from amsp_dtensor.cost.bandwidth import BandwidthTableError
-from amsp_dtensor.cost.models import MODELS, ModelShape, get_model
-from amsp_dtensor.cost.nccl import NcclModel
-from amsp_dtensor.cost.planner import NoPlanFits, PlanEstimate, PlanReport, choose_plan
-from amsp_dtensor.cost.step import ComputeModel
+from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError
+from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
+from amsp_dtensor.plan.cost.nccl import NcclModel
+from amsp_dtensor.plan.cost.planner import NoPlanFits, PlanEstimate, PlanReport, choose_plan
+from amsp_dtensor.plan.cost.step import ComputeModel
 
 PROG = "python -m amsp_dtensor.plan"
 GiB = 2**30
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-param-update", action="store_true",
                    help="the post-step all-gather overlaps the next forward "
                    "(AMSPOptimizer(overlap_param_update=True))")
-    p.add_argument("--bandwidth", help="bandwidth table JSON from python -m amsp_dtensor.profile "
+    p.add_argument("--bandwidth", help="bandwidth table JSON from python -m amsp_dtensor.plan.profile "
                    "(used where it has data; NCCL's model elsewhere)")
     p.add_argument("--top", type=int, default=8, help="plans to list (default 8)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -39,8 +39,8 @@ def firing_order(model) -> tuple[list[list[torch.Size]], list[list[torch.Size]]]
 
 def measure_backward_memory(rank, world_size, plans, dtypes=("fp32", "bf16"), micro_batches=2):
     import amsp_dtensor as amsp
-    from amsp_dtensor.cost.backward_peak import predict_backward_grad_bytes
-    from amsp_dtensor.handle import root_state
+    from amsp_dtensor.plan.cost.backward_peak import predict_backward_grad_bytes
+    from amsp_dtensor.engine.handle import root_state
 
     ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     out = {}

@@ -158,7 +158,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     of amsp.set_overlap; ``clip``: clip_grad_norm_ before each step ("norms" empty if not).
     """
     import amsp_dtensor as amsp
-    from amsp_dtensor.handle import root_state
+    from amsp_dtensor.engine.handle import root_state
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     ranks_per_node = int(__import__("os").environ["LOCAL_WORLD_SIZE"])

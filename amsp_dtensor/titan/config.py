@@ -56,7 +56,7 @@ class Amsp:
     """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
 
     bandwidth_table: str = ""
-    """plan = "auto": a measured bandwidth profile (python -m amsp_dtensor.profile); "" = the
+    """plan = "auto": a measured bandwidth profile (python -m amsp_dtensor.plan.profile); "" = the
     planner's default alpha-beta model."""
 
     init_full_model: bool = True

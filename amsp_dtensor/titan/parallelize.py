@@ -27,7 +27,7 @@ from torchtitan.models.llama3.infra import parallelize as _llama3_parallelize
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
 
-from .. import handle
+from ..engine import handle
 from ..compat import titan_sac_save_list
 
 from .validate import AmspConfigError, resolve_plan

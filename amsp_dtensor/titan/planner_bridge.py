@@ -1,6 +1,6 @@
 """plan = "auto": hand the job's model, batch, world and memory to amsp_dtensor's planner.
 
-The planner is amsp_dtensor.cost.planner.plan (docs/planner.md); this module is the only place
+The planner is amsp_dtensor.plan.cost.planner.plan (docs/planner.md); this module is the only place
 that calls it, with the inputs named as its signature names them (extra inputs are
 dropped, so the two sides can evolve). If the planner is missing from a checkout,
 plan = "auto" stops with a one-line message telling the user to give explicit factors.
@@ -52,10 +52,10 @@ def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
     from .config import AmspConfigError
 
     try:
-        from amsp_dtensor.cost.planner import plan as planner_plan
+        from amsp_dtensor.plan.cost.planner import plan as planner_plan
     except ImportError:
         raise AmspConfigError(
-            "amsp.plan='auto': the planner (amsp_dtensor.cost.planner.plan) is not available "
+            "amsp.plan='auto': the planner (amsp_dtensor.plan.cost.planner.plan) is not available "
             "in this checkout; set param_shard, grad_shard and optim_shard instead"
         ) from None
     inputs = planner_inputs(job_config, world, ranks_per_node)

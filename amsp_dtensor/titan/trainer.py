@@ -27,7 +27,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from .. import compat
-from ..overlap import set_overlap
+from ..engine.overlap import set_overlap
 from ..checkpoint import OTHER_SETTINGS, check_complete, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
 from .rng import STATE_KEY as RNG_KEY

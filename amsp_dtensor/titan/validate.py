@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from amsp_dtensor.plan import ResolvedPlan, ShardingPlan, STRATEGY_NAMES, valid_factors
-from amsp_dtensor.plan import _resolve_factor
+from amsp_dtensor.plan.sharding_plan import STRATEGY_NAMES, ResolvedPlan, ShardingPlan, valid_factors
+from amsp_dtensor.plan.sharding_plan import _resolve_factor
 
 from .config import KNOWN_KEYS, Amsp, AmspConfigError
 

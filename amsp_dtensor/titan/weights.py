@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.tools.utils import device_type
 
-from ..fqn import clean_fqn
+from ..engine.fqn import clean_fqn
 
 
 def init_seed(job_config) -> int:

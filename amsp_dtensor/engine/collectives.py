@@ -14,9 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import compat
+from .. import compat
 from .mesh import MeshInfo
-from .observe.recorder import CommEvent, Timer, active_recorders, emit
+from ..observe.recorder import CommEvent, Timer, active_recorders, emit
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from . import compat
+from .. import compat
 
 _GRAD_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import compat, handle
-from .plan import ResolvedPlan, ShardingPlan
+from .. import compat
+from . import handle
+from ..plan import ResolvedPlan, ShardingPlan
 
 MESH_DIMS = ("rep", "p", "g", "os")
 

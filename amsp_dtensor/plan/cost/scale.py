@@ -1,4 +1,4 @@
-"""`python -m amsp_dtensor.cost.scale`: the planner's choice for llama3 8B/70B/405B at 64,
+"""`python -m amsp_dtensor.plan.cost.scale`: the planner's choice for llama3 8B/70B/405B at 64,
 1024 and 8192 GPUs (80 GB, 8 per node, seq 8192), beside FSDP2 (ZeRO-3), HSDP and ZeRO-1
 in the same model (the table in docs/planner.md).
 

@@ -1,7 +1,7 @@
-"""`python -m amsp_dtensor.simulate`: one training step of the real engine as one rank of a
+"""`python -m amsp_dtensor.plan.simulate`: one training step of the real engine as one rank of a
 large job, on torch's fake process-group backend, checked against the cost model.
 
-  python -m amsp_dtensor.simulate --model llama3_8b --gpus 1024 --gpus-per-node 8 \\
+  python -m amsp_dtensor.plan.simulate --model llama3_8b --gpus 1024 --gpus-per-node 8 \\
       --plan p8-g64-os64 [--plan ...] [--rank 9] [--layers 1] [--seq-len 16] \\
       [--micro-batches 2] [--precision bf16|fp32] [--json out.json]
 
@@ -32,7 +32,7 @@ import json
 import sys
 import time
 
-PROG = "python -m amsp_dtensor.simulate"
+PROG = "python -m amsp_dtensor.plan.simulate"
 FLAVORS = {"llama3_debugmodel": "debugmodel", "llama3_8b": "8B", "llama3_70b": "70B",
            "llama3_405b": "405B"}
 
@@ -95,10 +95,10 @@ def simulate_plan(args, plan_name: str) -> dict:
 
     import amsp_dtensor as amsp
     from amsp_dtensor import compat
-    from amsp_dtensor.cost.comm import event_counter, predicted_events, recorded_counter
-    from amsp_dtensor.cost.memory import DTYPE_BYTES, state_bytes_of_rank, step_bytes
-    from amsp_dtensor.cost.models import from_torchtitan_args
-    from amsp_dtensor.cost.nccl import NcclModel
+    from amsp_dtensor.plan.cost.comm import event_counter, predicted_events, recorded_counter
+    from amsp_dtensor.plan.cost.memory import DTYPE_BYTES, state_bytes_of_rank, step_bytes
+    from amsp_dtensor.plan.cost.models import from_torchtitan_args
+    from amsp_dtensor.plan.cost.nccl import NcclModel
     from amsp_dtensor.observe.memory import step_buffer_bytes
 
     t0 = time.perf_counter()

@@ -143,7 +143,7 @@ def gather_full(dtensor) -> torch.Tensor:
     """
     import torch.distributed as dist
 
-    from .compat import global_offset
+    from ..compat import global_offset
     from .mesh import mesh_info
 
     info = mesh_info(dtensor.device_mesh)

@@ -1,4 +1,4 @@
-"""Measured bandwidth tables (written by `python -m amsp_dtensor.profile`) as a time model.
+"""Measured bandwidth tables (written by `python -m amsp_dtensor.plan.profile`) as a time model.
 
 The paper's t(op, bytes, mesh): profile the effective bandwidth w(op, bytes, mesh) and
 interpolate, t = bytes / w (the AMSP paper's communication model). Here t is interpolated
@@ -93,7 +93,7 @@ class BandwidthTable:
             raise BandwidthTableError(
                 f"bandwidth table has no {op} measurements "
                 f"{'across' if group.inter_node else 'inside'} nodes; re-run "
-                "python -m amsp_dtensor.profile on a cluster with that shape"
+                "python -m amsp_dtensor.plan.profile on a cluster with that shape"
             )
         self.extrapolated.add((op, group.size, group.nodes))
         return fit.time(op, nbytes, group)

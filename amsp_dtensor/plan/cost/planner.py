@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
-from ..plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
+from ..sharding_plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
 from .bandwidth import BandwidthTable, load_table
 from .comm import (
     AlphaBeta,
@@ -371,7 +371,7 @@ def plan(
       ("full" is costed as full recompute; "selective" etc. conservatively as "none").
     param_dtype: torchtitan's mixed_precision_param ("bfloat16" or "float32").
     gpu_memory_bytes: per rank; None = no memory filter (fastest plan).
-    bandwidth_table: a profile JSON path (python -m amsp_dtensor.profile) or None.
+    bandwidth_table: a profile JSON path (python -m amsp_dtensor.plan.profile) or None.
     Returns the PlanReport; .plan is the chosen ResolvedPlan.
     """
     if model_args is not None:

@@ -274,5 +274,5 @@ def comparison_table(model: NcclModel | None = None, ops=("all_reduce", "all_gat
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m amsp_dtensor.cost.nccl: the table in docs/planner.md
+if __name__ == "__main__":  # python -m amsp_dtensor.plan.cost.nccl: the table in docs/planner.md
     print(comparison_table())

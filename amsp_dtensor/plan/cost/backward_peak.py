@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import ResolvedPlan
+from ..sharding_plan import ResolvedPlan
 from .padding import dim0_cols
 
 __all__ = ["UnitSizes", "unit_sizes", "synced_grad_elements", "PredictedSample",

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from . import compat, overlap, param_update, streams
+from .. import compat
+from . import overlap, param_update, streams
 from .collectives import Collectives
 from .mesh import MeshInfo
 from .overlap import Overlap

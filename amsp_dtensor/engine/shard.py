@@ -15,11 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
 
-from . import compat, handle, param_update, streams
+from .. import compat
+from . import handle, param_update, streams
 from . import grad as grad_path
 from .collectives import Collectives, RecordingAllGather, RecordingReduceScatter
 from .mesh import mesh_info
-from .plan import ResolvedPlan, ShardingPlan
+from ..plan import ResolvedPlan, ShardingPlan
 from .fqn import clean_fqn
 from .layouts import FlatLayout
 from .mesh import MeshInfo

@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from . import compat, param_update
+from .. import compat
+from . import param_update
 from .collectives import PendingComm
 from .layouts import FlatLayout
 from .lifecycle import StepState, check_transition

@@ -48,7 +48,8 @@ from torch.distributed.tensor import DTensor
 
 from torch.profiler import record_function
 
-from . import compat, param_update
+from .. import compat
+from . import param_update
 from . import grad as grad_path
 from .handle import root_state
 from .layouts import OS_PLACEMENTS, chunk_rows, gather_full

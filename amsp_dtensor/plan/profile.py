@@ -1,6 +1,6 @@
 """Measure the effective bandwidth of the collectives the planner may use; write a table.
 
-    torchrun --nproc_per_node N -m amsp_dtensor.profile --out table.json \
+    torchrun --nproc_per_node N -m amsp_dtensor.plan.profile --out table.json \
         [--ranks-per-node R] [--min-bytes 4] [--max-bytes 16M] [--backend gloo|nccl]
 
 For every group shape that appears in any valid plan of this world (cost/comm.py: "p",
@@ -24,7 +24,7 @@ size below ~1 MB, so the table must hold the sizes the engine issues). A pass ke
 MEAN of the slowest rank's times (a step's comm time is a sum over many calls, so it
 follows the mean of a skewed distribution, not its median); --rounds passes interleave
 all points, and the table keeps the median over passes. The JSON schema is in
-amsp_dtensor/cost/bandwidth.py; the planner reads it with --bandwidth.
+amsp_dtensor/plan/cost/bandwidth.py; the planner reads it with --bandwidth.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import compat
+from .. import compat
 from .cost.bandwidth import SCHEMA
 from .cost.comm import group_shape
-from .plan import enumerate_plans
+from .sharding_plan import enumerate_plans
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
@@ -135,7 +135,7 @@ def measure(op, group, src, nbytes, n, dtype, device, target_s, repeats, sync):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="torchrun ... -m amsp_dtensor.profile",
+    ap = argparse.ArgumentParser(prog="torchrun ... -m amsp_dtensor.plan.profile",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON table to write (rank 0)")
     ap.add_argument("--ranks-per-node", type=int,

@@ -1,7 +1,7 @@
 """Check the cost model against a real CPU run of the engine
 (docs/planner.md, "Validation against real runs").
 
-    torchrun --nproc_per_node 4 -m amsp_dtensor.cost.validate --plan 2,2,4 \
+    torchrun --nproc_per_node 4 -m amsp_dtensor.plan.validate --plan 2,2,4 \
         --ranks-per-node 2 --table bw.json --out result.json
 
 One process group per plan (ru_maxrss is a per-process high-water mark, so every plan
@@ -22,7 +22,7 @@ rank's time; the summary takes the median over the timed steps (all but the firs
 Predicted = step_comm_time(predicted_events(...), table) with the profile table. Same
 regime as the profiler: a group's collective timed from a common start, nobody computing.
 
-    python -m amsp_dtensor.cost.validate summarize [--table t.json] [--memory] runs.json..
+    python -m amsp_dtensor.plan.validate summarize [--table t.json] [--memory] runs.json..
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     import torch
 
     RSS_IMPORT_TORCH = _maxrss()
-    ap = argparse.ArgumentParser(prog="torchrun ... -m amsp_dtensor.cost.validate")
+    ap = argparse.ArgumentParser(prog="torchrun ... -m amsp_dtensor.plan.validate")
     ap.add_argument("--plan", required=True, help="s_p,s_g,s_os")
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -187,10 +187,10 @@ def main(argv=None) -> int:
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     import amsp_dtensor as amsp
-    from amsp_dtensor.cost.bandwidth import load_table
-    from amsp_dtensor.cost.comm import predicted_events, step_comm_time, time_breakdown
-    from amsp_dtensor.cost.memory import estimate_memory
-    from amsp_dtensor.cost.models import MODELS
+    from amsp_dtensor.plan.cost.bandwidth import load_table
+    from amsp_dtensor.plan.cost.comm import predicted_events, step_comm_time, time_breakdown
+    from amsp_dtensor.plan.cost.memory import estimate_memory
+    from amsp_dtensor.plan.cost.models import MODELS
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -305,9 +305,9 @@ def summarize(paths, table_path=None) -> list[dict]:
     `table_path` when given, else the one stored by the run)."""
     import statistics
 
-    from amsp_dtensor.cost.bandwidth import load_table
-    from amsp_dtensor.cost.comm import predicted_events, step_comm_time
-    from amsp_dtensor.cost.models import MODELS
+    from amsp_dtensor.plan.cost.bandwidth import load_table
+    from amsp_dtensor.plan.cost.comm import predicted_events, step_comm_time
+    from amsp_dtensor.plan.cost.models import MODELS
     from amsp_dtensor.plan import ShardingPlan
 
     table = load_table(table_path) if table_path else None
@@ -368,8 +368,8 @@ def call_breakdown(path, table_path) -> list[dict]:
     import collections
     import statistics
 
-    from amsp_dtensor.cost.bandwidth import load_table
-    from amsp_dtensor.cost.comm import group_shape
+    from amsp_dtensor.plan.cost.bandwidth import load_table
+    from amsp_dtensor.plan.cost.comm import group_shape
 
     table = load_table(table_path)
     with open(path) as f:
@@ -423,7 +423,7 @@ def print_call_breakdown(path, table_path) -> None:
 
 
 def summarize_main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="python -m amsp_dtensor.cost.validate summarize")
+    ap = argparse.ArgumentParser(prog="python -m amsp_dtensor.plan.validate summarize")
     ap.add_argument("--table", help="bandwidth table: recompute the time prediction with it "
                     "and print the per-call breakdown")
     only = ap.add_mutually_exclusive_group()

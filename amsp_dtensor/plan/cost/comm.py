@@ -38,7 +38,7 @@ from functools import lru_cache
 from dataclasses import asdict, dataclass
 from typing import Iterable, Protocol, Sequence, Union
 
-from ..plan import ResolvedPlan, ShardingPlan
+from ..sharding_plan import ResolvedPlan, ShardingPlan
 from .padding import padded_numel
 
 __all__ = [

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch.nn as nn
 
-from . import compat
+from .. import compat
 from .handle import root_state
 
 __all__ = ["Overlap", "set_overlap"]

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..plan import ResolvedPlan
+from ..sharding_plan import ResolvedPlan
 from .backward_peak import synced_grad_elements, unit_sizes
 from .models import ModelShape
 from .padding import dim0_cols, padded_numel, shard_numel

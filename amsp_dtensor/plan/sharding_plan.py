@@ -1,0 +1,238 @@
+"""The ShardingPlan value object: one sharding factor each for P, G and OS.
+
+A factor is how many ranks share one copy of a state (1 = replicated, world = fully
+sharded). With ranks numbered node by node, a factor s has an intra-node part
+s0 = min(s, R) and an inter-node part s1 = s / s0 (R = ranks per node): the paper's 2-D
+factor (s0, s1) is fully determined by s once the rules below hold, so the plan stores
+plain integers and derives the 2-D view.
+
+The paper's constraints on the factors (docs/design.md, "Validity rules"), as checked by
+`ShardingPlan.resolve`:
+  1. every factor divides the world size;
+  2. a factor either divides R (stays in a node) or is a multiple of R (fills whole nodes);
+  3. s_p | s_g | s_os (chain order with nesting, so each OS shard lies inside its P shard);
+  4. s_g is s_p or s_os.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Union
+
+Factor = Union[int, str]
+
+STRATEGY_NAMES = ("replica", "node", "full")
+
+__all__ = [
+    "Factor",
+    "ShardingPlan",
+    "ResolvedPlan",
+    "STRATEGY_NAMES",
+    "enumerate_plans",
+    "BASELINES",
+]
+
+
+def _resolve_factor(key: str, value: Factor, world_size: int, ranks_per_node: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"{key} must be an int factor or one of {STRATEGY_NAMES}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name.isdigit():
+            return _resolve_factor(key, int(name), world_size, ranks_per_node)
+        if name == "replica":
+            return 1
+        if name == "node":
+            return min(ranks_per_node, world_size)
+        if name == "full":
+            return world_size
+        raise ValueError(
+            f"{key}={value!r} is not a strategy; use an int factor or one of {STRATEGY_NAMES}"
+        )
+    if value < 1:
+        raise ValueError(f"{key}={value} must be a positive factor (1 = replica)")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_factors(world_size: int, ranks_per_node: int) -> list[int]:
+    """Factors that obey rules 1 and 2: divisors of R, or multiples of R dividing W."""
+    out = set()
+    for d in _divisors(world_size):
+        if d <= ranks_per_node and ranks_per_node % d == 0:
+            out.add(d)
+        elif d % ranks_per_node == 0:
+            out.add(d)
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What the user asks for: a factor or strategy name per state.
+
+    ``param`` shards parameters (P), ``grad`` gradients (G), ``optim`` the fp32 master
+    weights and optimizer states (OS). Names: "replica" (1), "node" (ranks per node),
+    "full" (world size). Resolve against a world with :meth:`resolve`.
+    """
+
+    param: Factor = "full"
+    grad: Factor = "full"
+    optim: Factor = "full"
+
+    @classmethod
+    def from_name(cls, name: str) -> "ShardingPlan":
+        """The plan a ``ResolvedPlan.name`` such as "p2-g2-os4" stands for."""
+        match = re.fullmatch(r"p?(\d+)-g?(\d+)-(?:os)?(\d+)", name.strip())
+        if match is None:
+            raise ValueError(f"plan {name!r}: write it as p<s_p>-g<s_g>-os<s_os>, e.g. p2-g2-os4")
+        return cls(*(int(x) for x in match.groups()))
+
+    def resolve(self, world_size: int, ranks_per_node: int) -> "ResolvedPlan":
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if (
+            isinstance(ranks_per_node, bool)
+            or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        if world_size % ranks_per_node != 0:
+            raise ValueError(
+                f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
+                "every node must run the same number of ranks"
+            )
+        s_p = _resolve_factor("param", self.param, world_size, ranks_per_node)
+        s_g = _resolve_factor("grad", self.grad, world_size, ranks_per_node)
+        s_os = _resolve_factor("optim", self.optim, world_size, ranks_per_node)
+        resolved = ResolvedPlan(s_p, s_g, s_os, world_size, ranks_per_node)
+        problem = resolved.violation()
+        if problem is not None:
+            nearest = nearest_valid(s_p, s_g, s_os, world_size, ranks_per_node)
+            raise ValueError(
+                f"invalid plan param={s_p}, grad={s_g}, optim={s_os} on {world_size} ranks "
+                f"({ranks_per_node} per node): {problem}; nearest valid plan: "
+                f"param={nearest.s_p}, grad={nearest.s_g}, optim={nearest.s_os}"
+            )
+        return resolved
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan with integer factors for one world. Construct via ShardingPlan.resolve."""
+
+    s_p: int
+    s_g: int
+    s_os: int
+    world_size: int
+    ranks_per_node: int
+
+    def violation(self) -> str | None:
+        """The first broken rule as text, or None if the plan is valid."""
+        W, R = self.world_size, self.ranks_per_node
+        for key, s in (("param", self.s_p), ("grad", self.s_g), ("optim", self.s_os)):
+            if W % s != 0:
+                return f"rule 'factor divides world': {key}={s} does not divide {W}"
+            if s > R and s % R != 0:
+                return (
+                    f"rule 'fill a node before spanning nodes': {key}={s} spans nodes but is "
+                    f"not a multiple of {R} ranks per node"
+                )
+            if s < R and R % s != 0:
+                return (
+                    f"rule 'factor divides the node': {key}={s} does not divide "
+                    f"{R} ranks per node"
+                )
+        if not (self.s_p <= self.s_g <= self.s_os):
+            return (
+                "rule 'param <= grad <= optim': grads are made from local params and "
+                "optimizer states update from synced grads"
+            )
+        if self.s_g % self.s_p or self.s_os % self.s_g:
+            return "rule 'nested factors': param must divide grad and grad must divide optim"
+        if self.s_g not in (self.s_p, self.s_os):
+            return "rule 'grad follows param or optim': grad must equal param or optim"
+        return None
+
+    # --- the paper's 2-D view (s0 = intra-node part, s1 = inter-node part) ---
+    def intra(self, s: int) -> int:
+        return min(s, self.ranks_per_node)
+
+    def inter(self, s: int) -> int:
+        return s // self.intra(s)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Sizes of the named mesh dims, in mesh order (see amsp_dtensor.engine.mesh)."""
+        return {
+            "rep": self.world_size // self.s_os,
+            "p": self.s_p,
+            "g": self.s_g // self.s_p,
+            "os": self.s_os // self.s_g,
+        }
+
+    @property
+    def name(self) -> str:
+        return f"p{self.s_p}-g{self.s_g}-os{self.s_os}"
+
+    def as_plan(self) -> ShardingPlan:
+        return ShardingPlan(self.s_p, self.s_g, self.s_os)
+
+    def to_toml(self) -> str:
+        return (
+            "[amsp]\n"
+            f"param_shard = {self.s_p}\n"
+            f"grad_shard = {self.s_g}\n"
+            f"optim_shard = {self.s_os}\n"
+        )
+
+
+def enumerate_plans(world_size: int, ranks_per_node: int) -> list[ResolvedPlan]:
+    """Every valid plan for the world, sorted by (s_p, s_g, s_os)."""
+    ShardingPlan(1, 1, 1).resolve(world_size, ranks_per_node)  # validates the world
+    factors = valid_factors(world_size, ranks_per_node)
+    plans = []
+    for s_p in factors:
+        for s_os in factors:
+            if s_os % s_p:
+                continue
+            for s_g in sorted({s_p, s_os}):
+                plan = ResolvedPlan(s_p, s_g, s_os, world_size, ranks_per_node)
+                if plan.violation() is None:
+                    plans.append(plan)
+    return plans
+
+
+def nearest_valid(s_p: int, s_g: int, s_os: int, world_size: int, ranks_per_node: int):
+    """The valid plan closest to the request (log-distance of factors, then more sharding)."""
+    import math
+
+    def dist(plan: ResolvedPlan) -> tuple:
+        d = sum(
+            abs(math.log2(a) - math.log2(max(b, 1)))
+            for a, b in ((plan.s_p, s_p), (plan.s_g, s_g), (plan.s_os, s_os))
+        )
+        return (d, -plan.s_os, -plan.s_g, -plan.s_p)
+
+    return min(enumerate_plans(world_size, ranks_per_node), key=dist)
+
+
+# Existing systems in the same notation (docs/design.md, "The three factors"). "node" for
+# HSDP/MiCS = shard in a node.
+BASELINES: dict[str, ShardingPlan] = {
+    "ddp": ShardingPlan("replica", "replica", "replica"),
+    "zero1": ShardingPlan("replica", "replica", "full"),
+    "zero2": ShardingPlan("replica", "full", "full"),
+    "zero3": ShardingPlan("full", "full", "full"),
+    "hsdp": ShardingPlan("node", "node", "node"),
+}
