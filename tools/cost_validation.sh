@@ -23,7 +23,7 @@ run() {
 }
 
 echo "== profile ($(date -u +%H:%M:%S) UTC)"
-run "$out/profile.log" -m amsp_dtensor.profile --out "$out/bw.json" --ranks-per-node 2 \
+run "$out/profile.log" -m amsp_dtensor.plan.profile --out "$out/bw.json" --ranks-per-node 2 \
     --dtype float32
 comm_runs=() mem_runs=()
 for plan in "${plans[@]}"; do
@@ -31,16 +31,16 @@ for plan in "${plans[@]}"; do
     comm_runs+=("$out/comm_$name.json") mem_runs+=("$out/mem_$name.json")
     echo "== $name: communication, then memory ($(date -u +%H:%M:%S) UTC)"
     # communication: glibc's default allocator (freed memory stays resident, as on GPU)
-    run "$out/comm_$name.log" -m amsp_dtensor.cost.validate --plan "$plan" \
+    run "$out/comm_$name.log" -m amsp_dtensor.plan.validate --plan "$plan" \
         --ranks-per-node 2 --steps 8 --table "$out/bw.json" --out "$out/comm_$name.json"
     # memory: freed tensors go back to the OS, so ru_maxrss follows the live bytes
     MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 \
-        run "$out/mem_$name.log" -m amsp_dtensor.cost.validate --plan "$plan" \
+        run "$out/mem_$name.log" -m amsp_dtensor.plan.validate --plan "$plan" \
         --ranks-per-node 2 --steps 3 --out "$out/mem_$name.json"
 done
 echo
 echo "== step communication time (predicted with $out/bw.json)"
-python -m amsp_dtensor.cost.validate summarize --comm --table "$out/bw.json" "${comm_runs[@]}"
+python -m amsp_dtensor.plan.validate summarize --comm --table "$out/bw.json" "${comm_runs[@]}"
 echo
 echo "== peak memory (MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0)"
-python -m amsp_dtensor.cost.validate summarize --memory "${mem_runs[@]}"
+python -m amsp_dtensor.plan.validate summarize --memory "${mem_runs[@]}"
