@@ -200,9 +200,19 @@ def fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
 
 def fsdp_copy_in_stream(module: nn.Module):
     """The stream FSDP2 copies a unit's shards on before all-gathering them (its
-    all-gather input); None before lazy init or without an accelerator."""
+    all-gather input); None before lazy init."""
+    return _fsdp_comm_stream(module, "all_gather_copy_in_stream")
+
+
+def fsdp_reduce_scatter_stream(module: nn.Module):
+    """The stream FSDP2 runs a unit's reduce-scatter on (and allocates its output, the
+    input of our all-reduce hook, on); None before lazy init."""
+    return _fsdp_comm_stream(module, "reduce_scatter_stream")
+
+
+def _fsdp_comm_stream(module: nn.Module, name: str):
     comm_ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
-    return getattr(comm_ctx, "all_gather_copy_in_stream", None) if comm_ctx else None
+    return getattr(comm_ctx, name, None) if comm_ctx else None
 
 
 # ---- DTensor, DeviceMesh, c10d -----------------------------------------------------------

@@ -226,6 +226,7 @@ def test_fsdp_instance_internals_on_a_real_unit(tmp_path):
         model(torch.ones(2, 4)).sum().backward()
         compat.fsdp_reset_iteration(model)
         assert compat.fsdp_copy_in_stream(model) is not None
+        assert compat.fsdp_reduce_scatter_stream(model) is not None
         assert compat.global_offset(params[0].sharded_param) == (0, 0)
         assert compat.flatten_mesh(torch.distributed.device_mesh.init_device_mesh(
             "cpu", (1, 1), mesh_dim_names=("a", "b")), "ab").size() == 1

@@ -3,17 +3,21 @@ CUDA stream order and the step lifecycle, in one command.
 
     python tools/gpu_check.py                 # CUDA if available, else the CPU part
     python tools/gpu_check.py --device cpu
+    python tools/gpu_check.py --mutant drop-copy-in-wait   # must FAIL check 1 on CUDA
 
 Checks, for a plan whose post-step all-gather exists (s_os > s_p), with
 overlap_param_update=True, so each unit's new P rows are unpacked in its forward pre-hook:
 
 1. FSDP2's all-gather input of every unit holds the P shard as it is after the unpack,
-   even when the unpack is delayed on the compute stream (``torch.cuda._sleep`` before
-   the forward): the copy-in stream must wait for it (streams.py, rule 3).
+   even when the unpack is delayed on the compute stream (``torch.cuda._sleep`` in each
+   unit's forward pre-hook, after FSDP2's root pre-forward): the copy-in stream must
+   wait for it (engine/streams.py, rule 4).
+   ``--mutant drop-copy-in-wait`` removes that wait, and this check must then fail
+   (on CUDA; on CPU there are no streams to reorder, so the mutant changes nothing).
 2. The P shard holds the fp32 masters' new values after the landing (the fake backend
    moves no data, so the engine's own all-gather is given every rank's rows = ours).
 3. On CUDA, the gradient path ran on the engine's grad stream and the synced G is
-   readable on the compute stream after backward (streams.py, rules 1 and 2).
+   readable on the compute stream after backward (engine/streams.py, rules 1 to 3).
 4. The lifecycle: after backward every unit is SYNCED or REDUCING with its last gradient
    stage in flight (root.py), SYNCED once those complete, UPDATED after landing.
 Units are cut as torchtitan cuts them (embeddings, blocks, [norm, output] as one unit).
@@ -37,13 +41,15 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=5)
     parser.add_argument("--plan", default="2,2,8")
     parser.add_argument("--sleep-cycles", type=int, default=200_000_000)
+    parser.add_argument("--mutant", choices=("drop-copy-in-wait",),
+                        help="run with the engine's copy-in wait removed (check 1 must fail)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but no CUDA device", file=sys.stderr)
         return 2
 
     import amsp_dtensor as amsp
-    from amsp_dtensor.engine import collectives
+    from amsp_dtensor.engine import collectives, streams
     from amsp_dtensor import compat
     from amsp_dtensor.engine.handle import root_state
     from amsp_dtensor.engine.lifecycle import StepState
@@ -53,6 +59,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     compat.init_fake_process_group(args.rank, args.world)
+    if args.mutant == "drop-copy-in-wait":
+        streams.order_before_copy_in = lambda module: None
     _fill_engine_all_gathers(collectives)
     plan = amsp.ShardingPlan(*(int(x) for x in args.plan.split(",")))
     mesh = amsp.init_mesh(plan, ranks_per_node=args.ranks_per_node, device_type=device.type)
@@ -88,7 +96,7 @@ def main(argv=None) -> int:
     masters = {id(u): [m.to_local().detach().clone() for m in ms] for u, ms in optim._unit_masters}
     captured.clear()
     if device.type == "cuda":
-        compat.cuda_sleep(args.sleep_cycles)  # the unpacks queue behind this
+        _delay_unpacks(state, args.sleep_cycles)
     with torch.no_grad():
         model(tokens[:, :-1])
     if device.type == "cuda":
@@ -112,8 +120,21 @@ def main(argv=None) -> int:
         print(f"gpu_check: FAIL {line}")
     if not failures:
         print(f"gpu_check: OK ({args.device}, rank {args.rank} of {args.world}, plan "
-              f"{args.plan}, {len(state.units)} units)")
+              f"{args.plan}, {len(state.units)} units"
+              + (f", mutant {args.mutant}" if args.mutant else "") + ")")
     return 1 if failures else 0
+
+
+def _delay_unpacks(state, cycles: int) -> None:
+    """Queue a sleep on the compute stream in each unit's forward pre-hook, ahead of the
+    engine's own (which lands the update): FSDP2's root pre-forward has already made the
+    copy-in stream wait for the compute stream, so only the engine's wait after the
+    unpack keeps the copy-in from reading the old shard while the unpack sleeps."""
+    from amsp_dtensor import compat
+
+    for unit in state.units:
+        for module in unit.modules:
+            module.register_forward_pre_hook(lambda *_: compat.cuda_sleep(cycles), prepend=True)
 
 
 def _fill_engine_all_gathers(collectives) -> None:

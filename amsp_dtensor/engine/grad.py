@@ -23,9 +23,8 @@ def fsdp_grad_hook(unit: AMSPUnit):
     """FSDP2's all-reduce hook (s_p > 1): runs on the engine's grad stream."""
 
     def hook(reduce_output: torch.Tensor) -> None:
-        if unit.root.grad_stream is not None:
-            reduce_output.record_stream(unit.root.grad_stream)
         unit.root.on_unit_grads(unit, reduce_output)
+        unit.root.after_fsdp_hook(unit, reduce_output)
 
     return hook
 
@@ -62,11 +61,15 @@ def _param_grad_hook(unit: AMSPUnit):
         if seen < len(unit.params):
             return
         grads = [p.grad for p in unit.params]
-        with streams.on_grad_stream(root.grad_stream, *grads):
+        compute = streams.current_stream(root.grad_stream)
+        with streams.on_grad_stream(root.grad_stream):
             flat = torch.cat([g.reshape(-1).to(unit.grad_dtype()) for g in grads])
+            # made on the compute stream: kept until it has waited for the flatten (rule 2)
+            read = streams.Deferred.after_reads(compute, root.grad_stream, grads)
             for p in unit.params:
                 p.grad = None
             root.on_unit_grads(unit, flat)
+            root.hold(read)
 
     return hook
 

@@ -53,6 +53,9 @@ class BackwardPass:
     fired: set = field(default_factory=set)  # id(unit) of units whose grads arrived
     grads_seen: dict = field(default_factory=dict)  # s_p = 1: id(unit) -> params with grads
     fsdp_grads_to_drop: list = field(default_factory=list)  # units whose FSDP .grad to free
+    # streams.Deferred: another stream's tensors the grad stream read, kept until that
+    # stream's wait is queued (the next unit's hook, or the end of backward); CUDA only
+    held: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -156,6 +159,7 @@ class RootState:
             )
         backward = self.begin_backward()
         backward.fired.add(id(unit))
+        _release_held(backward)  # the previous unit's hook input (streams.py, rules 1-2)
         # FSDP2 views the buffers it handed to earlier units as their .grad. The hooks of
         # grad.drop_fsdp_grad_views free them as soon as they are made; this catches params
         # whose hooks were lost because FSDP2 swapped the Parameter objects (materialising a
@@ -172,6 +176,19 @@ class RootState:
         for observer in self.unit_grad_observers:
             observer(unit, flat_p)
 
+    def hold(self, deferred) -> None:
+        """Keep a streams.Deferred (None: nothing to keep) until the next unit's hook."""
+        if deferred is not None:
+            self.backward.held.append(deferred)
+
+    def after_fsdp_hook(self, unit: AMSPUnit, hook_input: torch.Tensor) -> None:
+        """Rule 1 of streams.py's Note: FSDP2's reduce-scatter stream waits for what the
+        grad stream has queued, and the hook's input is kept until the next hook."""
+        if self.grad_stream is None:
+            return
+        streams.release_to(compat.fsdp_reduce_scatter_stream(unit.module), self.grad_stream)
+        self.hold(streams.Deferred.kept(self.grad_stream, [hook_input]))
+
     def _end_of_backward(self) -> None:
         """Runs once after each backward (queued after FSDP2's own final callback)."""
         backward = self.backward
@@ -185,9 +202,8 @@ class RootState:
                                   if self._completed_at_end_of_backward(e)), None)) is not None:
                 self._complete_at(index)
         _drop_fsdp_grads(backward)
-        kept = [b for u in self.units for b in (u.partial_grad, u.synced_grad) if b is not None]
-        kept += [e.pending.result for e in self.in_flight]
-        streams.join_compute(self.grad_stream, kept)
+        streams.join_compute(self.grad_stream)  # rule 3; it covers what is held, too
+        backward.held.clear()
         self.unsynced_micro_batches = 0 if backward.sync else self.unsynced_micro_batches + 1
         self.backward = None
 
@@ -203,12 +219,16 @@ class RootState:
         """A unit without grads this backward still joins the collectives, with zeros for
         the missing grads, so every rank issues the same sequence."""
         flat = torch.zeros(unit.p_layout.numel, dtype=unit.grad_dtype(), device=unit.device)
+        read = []
         if not unit.uses_fsdp:
             for view, param in zip(unit.p_layout.views(flat), unit.params):
                 if param.grad is not None:
                     view.copy_(param.grad.view_as(view))
+                    read.append(param.grad)
                     param.grad = None
         self.on_unit_grads(unit, flat)
+        # the grads were made on the compute stream: kept until the join (rule 2)
+        self.hold(streams.Deferred.kept(self.grad_stream, read))
 
     # ---- the gradient stages in flight -------------------------------------------
     def enqueue(self, entry: InFlightStage) -> None:
@@ -233,7 +253,7 @@ class RootState:
         every unit that took part in the last syncing backward is SYNCED."""
         with streams.on_grad_stream(self.grad_stream):
             self.complete(ALL_STAGES)
-        streams.join_compute(self.grad_stream, [])  # the step reads them on the compute stream
+        streams.join_compute(self.grad_stream)  # the step reads them on the compute stream
 
     def finish_unit_sync(self, unit: AMSPUnit) -> None:
         """Complete the in-flight collectives issued up to and including ``unit``'s last
@@ -241,7 +261,7 @@ class RootState:
         with streams.on_grad_stream(self.grad_stream):
             while any(e.unit is unit for e in self.in_flight):
                 self._complete_at(0)
-        streams.join_compute(self.grad_stream, [])
+        streams.join_compute(self.grad_stream)
 
     def sync_order(self) -> list[AMSPUnit]:
         """The units in the order their gradients finish syncing: those already done, then
@@ -270,11 +290,19 @@ class RootState:
             self.in_flight.clear()
             if self.backward is not None:
                 _drop_fsdp_grads(self.backward)
+                streams.join_compute(self.grad_stream)
+                self.backward.held.clear()
             self.backward = None
             self.in_forward = False
             for unit in self.units:
                 unit.reset()
             self.unsynced_micro_batches = 0
+
+
+def _release_held(backward: BackwardPass) -> None:
+    for deferred in backward.held:
+        deferred.release()
+    backward.held.clear()
 
 
 def _drop_fsdp_grads(backward: BackwardPass) -> None:
