@@ -248,14 +248,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
         factor = self._root.divide_factor
         start, masters = self._unit_slices[id(unit)]
         synced = unit.synced_grad
-        views = unit.os_layout.views(synced) if synced is not None else None
+        # one cast and one division for the whole unit, not one per tensor
+        views = (unit.os_layout.views(synced.to(torch.float32) / factor)
+                 if synced is not None else None)
         for j, master in enumerate(masters):
             opt_param = self._opt_params[start + j]
             if views is None:
                 opt_param.grad = None
                 continue
-            local = master.to_local()
-            opt_param.grad = (views[j].to(torch.float32) / factor).view(local.shape)
+            opt_param.grad = views[j].view(master.to_local().shape)
 
     def _check_ready_to_step(self) -> None:
         """Every unit must be SYNCED, or REDUCING with its last stage in flight after the
