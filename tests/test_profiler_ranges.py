@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import amsp_dtensor as amsp
 from amsp_dtensor import compat
+from amsp_dtensor.testing.scenarios import shard_model
 from amsp_dtensor.testing.tiny_llama import TinyLlama, loss_fn
 
 WORLD, PER_NODE = 4, 2
@@ -57,12 +58,7 @@ def _trace_one_step(plan: amsp.ShardingPlan, path) -> set[str]:
     torch.manual_seed(0)
     model = TinyLlama()
     assert len(model.layers) == 2
-    amsp.fully_shard(model.tok_embeddings, mesh=mesh, plan=plan)
-    for block in model.layers:
-        amsp.fully_shard(block, mesh=mesh, plan=plan)
-    amsp.fully_shard([model.norm, model.output], mesh=mesh, plan=plan,
-                     reshard_after_forward=False)
-    amsp.fully_shard(model, mesh=mesh, plan=plan)
+    shard_model(model, mesh, plan, layout="titan")  # the README's cut, as torchtitan's
     optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
     micro_batches = torch.randint(0, model.cfg.vocab_size, (2, 2, 17))
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     from amsp_dtensor import compat
     from amsp_dtensor.engine.handle import root_state
     from amsp_dtensor.engine.lifecycle import StepState
+    from amsp_dtensor.testing.scenarios import shard_model
     from amsp_dtensor.testing.tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
 
     device = torch.device(args.device)
@@ -67,12 +68,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg = TinyLlamaConfig(dim=256, ffn_dim=512, n_layers=4, vocab_size=512)
     model = TinyLlama(cfg).to(device)
-    amsp.fully_shard(model.tok_embeddings, mesh=mesh, plan=plan)
-    for block in model.layers:
-        amsp.fully_shard(block, mesh=mesh, plan=plan)
-    amsp.fully_shard([model.norm, model.output], mesh=mesh, plan=plan,
-                     reshard_after_forward=False)
-    amsp.fully_shard(model, mesh=mesh, plan=plan)
+    shard_model(model, mesh, plan, layout="titan")
     optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_param_update=True)
     state = root_state(model)
     failures = []
