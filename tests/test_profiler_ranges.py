@@ -4,7 +4,7 @@ torchtitan cuts them, two micro-batches under no_sync, clip, step) shows the eng
 
 One process as rank 0 of a 4-rank job (2 per node) on torch's fake process group: the
 collectives move no data, the ranges are what is read, from the exported chrome trace.
-The ranges each unit must show follow from the plan alone: a reduce-scatter over "g"
+The ranges expected of each unit follow from the plan alone: a reduce-scatter over "g"
 when s_g > s_p, over "os" when s_g = s_p < s_os, an all-reduce over "rep" when a copy of
 the OS shard is replicated (world / s_os > 1), an optimizer step, and the post-step
 all-gather (issue, land) when s_os > s_p."""
