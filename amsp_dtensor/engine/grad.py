@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import streams
 from .handle import root_state
@@ -42,6 +43,20 @@ def drop_fsdp_grad_views(unit: AMSPUnit) -> None:
         param.register_post_accumulate_grad_hook(hook)
 
 
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad`` as a plain tensor laid out like the param's local piece. Under tensor
+    parallelism autograd leaves DTensor grads whose placement may differ from the
+    param's: Partial for a SequenceParallel norm (summed over the tp ranks here, an
+    all-reduce) and Replicate for a RowwiseParallel embedding (this rank's rows taken);
+    FSDP2 redistributes them the same way on its path (s_p > 1)."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        if grad.placements != param.placements:
+            grad = grad.redistribute(grad.device_mesh, param.placements)
+        return grad.to_local()
+    return grad
+
+
 def register_param_hooks(unit: AMSPUnit) -> None:
     """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path."""
     hook = _param_grad_hook(unit)
@@ -60,7 +75,7 @@ def _param_grad_hook(unit: AMSPUnit):
         backward.grads_seen[id(unit)] = seen
         if seen < len(unit.params):
             return
-        grads = [p.grad for p in unit.params]
+        grads = [local_grad(p) for p in unit.params]
         compute = streams.current_stream(root.grad_stream)
         with streams.on_grad_stream(root.grad_stream):
             flat = torch.cat([g.reshape(-1).to(unit.grad_dtype()) for g in grads])

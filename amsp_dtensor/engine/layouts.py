@@ -139,7 +139,8 @@ def gather_full(dtensor) -> torch.Tensor:
     the rows of a tensor sharded by Shard(0) on two or more mesh dims of size > 1 in the
     wrong order, although each rank's local rows and offsets are right
     (``distribute_tensor(t, mesh, OS_PLACEMENTS).full_tensor() != t`` for plan p2-g2-os4
-    on 4 ranks). We gather (offset, rows) from the ranks holding one full copy instead.
+    on 4 ranks). We gather (offset, piece) from the ranks holding one full copy instead:
+    the "shard" group, and under tensor parallelism the "tp" group too.
     """
     import torch.distributed as dist
 
@@ -147,13 +148,13 @@ def gather_full(dtensor) -> torch.Tensor:
     from .mesh import mesh_info
 
     info = mesh_info(dtensor.device_mesh)
-    offset = global_offset(dtensor)
-    local = dtensor.to_local().detach().cpu()
-    pieces = [None] * info.size("shard")
-    dist.all_gather_object(pieces, (offset[0] if len(offset) else 0, local), group=info.group("shard"))
+    pieces = [(tuple(global_offset(dtensor)), dtensor.to_local().detach().cpu())]
+    for dim in ("shard", "tp") if info.tp > 1 else ("shard",):
+        gathered = [None] * info.size(dim)
+        dist.all_gather_object(gathered, pieces, group=info.group(dim))
+        pieces = [piece for rank_pieces in gathered for piece in rank_pieces]
     full = torch.empty(dtensor.shape, dtype=dtensor.dtype)
-    rows = full.view(full.shape[0] if full.dim() else 1, -1)
-    for start, piece in pieces:
+    for offset, piece in pieces:
         if piece.numel():
-            rows[start : start + piece.shape[0]].copy_(piece.reshape(piece.shape[0], -1))
+            full[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))].copy_(piece)
     return full.to(dtensor.device)

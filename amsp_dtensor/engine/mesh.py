@@ -8,6 +8,16 @@ are numbered node by node, and we want the P group contiguous (intra-node), so t
 tensor is arange(W).reshape(rep, os, g, p) permuted to (rep, p, g, os):
 
     rank = rep_i * s_os + os_i * s_g + g_i * s_p + p_i
+
+[Note: tensor parallelism] With ``tp > 1`` the mesh gets a fifth dim, "tp", FIRST in
+DTensor order and LAST (fastest) in rank order, as torchtitan builds its mesh: the tp
+ranks of a group are consecutive ranks of one node. The plan's factors are then factors
+of the data-parallel world W/tp, with R/tp DP ranks per node (R ranks per node); the
+formula above gives the DP rank d, and ``rank = d * tp + tp_i``. "tp" comes first in
+DTensor order so that a tensor sharded by TP on dim 0 (ColwiseParallel) and by AMSP on
+the rows of its TP-local piece reads as Shard(0) on "tp", then on "p", "g", "os": the
+nesting is the same rule as above, one level out. With ``tp = 1`` the mesh is the 4-D
+one, unchanged.
 """
 
 from __future__ import annotations
@@ -26,8 +36,9 @@ from . import handle
 from ..plan import ResolvedPlan, ShardingPlan
 
 MESH_DIMS = ("rep", "p", "g", "os")
+TP_DIM = "tp"
 
-__all__ = ["MESH_DIMS", "init_mesh", "MeshInfo", "mesh_info"]
+__all__ = ["MESH_DIMS", "TP_DIM", "init_mesh", "MeshInfo", "mesh_info"]
 
 
 @dataclass
@@ -35,13 +46,19 @@ class MeshInfo:
     """What the engine needs to know about an AMSP mesh beyond the DeviceMesh."""
 
     mesh: DeviceMesh
-    plan: ResolvedPlan
+    plan: ResolvedPlan  # resolved over the data-parallel world (W / tp ranks)
+    tp: int = 1  # tensor-parallel degree: the size of the "tp" dim (no such dim when 1)
     _groups: dict = field(default_factory=dict)
     _crosses_nodes: dict = field(default_factory=dict)
 
     @property
     def ranks_per_node(self) -> int:
-        return self.plan.ranks_per_node
+        """Ranks per node of the job (DP ranks per node times tp)."""
+        return self.plan.ranks_per_node * self.tp
+
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D "tp" sub-mesh, for ``parallelize_module`` (None without TP)."""
+        return self.mesh[TP_DIM] if self.tp > 1 else None
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """Process group of a mesh dim, or "shard" = p x g x os (one full model copy)."""
@@ -55,6 +72,8 @@ class MeshInfo:
     def size(self, dim: str) -> int:
         if dim == "shard":
             return self.plan.s_os
+        if dim == TP_DIM:
+            return self.tp
         return self.plan.mesh_shape[dim]
 
     def crosses_nodes(self, dim: str) -> bool:
@@ -114,11 +133,16 @@ def init_mesh(
     plan: ShardingPlan | ResolvedPlan,
     ranks_per_node: int | None = None,
     device_type: str | None = None,
+    tp: int = 1,
 ) -> DeviceMesh:
     """Build the AMSP DeviceMesh for ``plan`` over the default process group.
 
     ``ranks_per_node`` defaults to LOCAL_WORLD_SIZE (torchrun sets it). The process
-    group must already be initialised (``dist.init_process_group``).
+    group must already be initialised (``dist.init_process_group``). ``tp``: the tensor-
+    parallel degree (torchtitan's ``tensor_parallel_degree``); it must divide
+    ``ranks_per_node``, and the plan's factors are then those of the data-parallel world
+    (world / tp ranks, ranks_per_node / tp per node). Apply TP with
+    ``parallelize_module(model, mesh["tp"], ...)`` before ``amsp.fully_shard``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -128,35 +152,74 @@ def init_mesh(
     world_size = dist.get_world_size()
     if ranks_per_node is None:
         ranks_per_node = _ranks_per_node_from_env(world_size)
+    _check_tp(tp, ranks_per_node, world_size)
+    dp_world, dp_per_node = world_size // tp, ranks_per_node // tp
     if isinstance(plan, ResolvedPlan):
-        if plan.world_size != world_size or plan.ranks_per_node != ranks_per_node:
+        if plan.world_size != dp_world or plan.ranks_per_node != dp_per_node:
+            under = f" under tp={tp}" if tp > 1 else ""
             raise ValueError(
                 f"plan was resolved for world {plan.world_size} x {plan.ranks_per_node} per "
-                f"node, but this job has {world_size} ranks, {ranks_per_node} per node"
+                f"node, but this job has {dp_world} data-parallel ranks, {dp_per_node} per "
+                f"node{under}"
             )
         resolved = plan
     elif isinstance(plan, ShardingPlan):
-        resolved = plan.resolve(world_size, ranks_per_node)
+        resolved = _resolve_under_tp(plan, dp_world, dp_per_node, tp)
     else:
         raise TypeError(
             f"plan must be amsp.ShardingPlan (or a resolved plan), got {type(plan).__name__}"
         )
     device_type = device_type or _default_device_type()
     shape = resolved.mesh_shape
-    rank_tensor = (
-        torch.arange(world_size)
-        .reshape(shape["rep"], shape["os"], shape["g"], shape["p"])
-        .permute(0, 3, 2, 1)
-        .contiguous()
-    )
-    mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=MESH_DIMS)
-    info = MeshInfo(mesh, resolved)
+    if tp == 1:
+        rank_tensor = (
+            torch.arange(world_size)
+            .reshape(shape["rep"], shape["os"], shape["g"], shape["p"])
+            .permute(0, 3, 2, 1)
+            .contiguous()
+        )
+        mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=MESH_DIMS)
+    else:  # the Note above: "tp" first in DTensor order, fastest in rank order
+        rank_tensor = (
+            torch.arange(world_size)
+            .reshape(shape["rep"], shape["os"], shape["g"], shape["p"], tp)
+            .permute(4, 0, 3, 2, 1)
+            .contiguous()
+        )
+        mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=(TP_DIM, *MESH_DIMS))
+    info = MeshInfo(mesh, resolved, tp=tp)
     # Make every group now: group creation is collective, so doing it lazily (say, at the
     # first clip_grad_norm_) would hang if one rank got there by another path.
-    for dim in (*MESH_DIMS, "shard"):
+    for dim in (*MESH_DIMS, "shard", *((TP_DIM,) if tp > 1 else ())):
         info.group(dim)
     handle.set_mesh_info(mesh, info)
     return mesh
+
+
+def _check_tp(tp, ranks_per_node: int, world_size: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TypeError(f"tp must be a positive int (the tensor-parallel degree), got {tp!r}")
+    if ranks_per_node % tp:
+        raise ValueError(
+            f"tp={tp} does not divide ranks_per_node={ranks_per_node}: tensor-parallel "
+            "groups must lie inside a node; use a tp that divides the ranks per node"
+        )
+    if world_size % ranks_per_node and tp > 1:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}"
+        )
+
+
+def _resolve_under_tp(plan: ShardingPlan, dp_world: int, dp_per_node: int, tp: int):
+    if tp == 1:
+        return plan.resolve(dp_world, dp_per_node)
+    try:
+        return plan.resolve(dp_world, dp_per_node)
+    except ValueError as e:
+        raise ValueError(
+            f"under tp={tp} the plan's factors are those of the data-parallel world "
+            f"({dp_world} ranks, {dp_per_node} per node): {e}"
+        ) from None
 
 
 def mesh_info(mesh: DeviceMesh, plan: ShardingPlan | ResolvedPlan | None = None) -> MeshInfo:

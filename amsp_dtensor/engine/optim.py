@@ -44,7 +44,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from torch.profiler import record_function
 
@@ -140,6 +140,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
             )
         if optimizer_class not in ELEMENTWISE_OPTIMIZERS and optimizer_class not in SHARDED_OPTIMIZERS:
             raise ValueError(_not_elementwise_message(optimizer_class))
+        if optimizer_class in SHARDED_OPTIMIZERS and root_state(model).info.tp > 1:
+            raise ValueError(
+                f"{optimizer_class.__name__} with tensor parallelism is not supported: its "
+                "factored moments would also need sums over the tensor-parallel ranks; use "
+                f"one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
+            )
         if not isinstance(overlap_param_update, bool):
             raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
         self._root: RootState = root_state(model)
@@ -171,6 +177,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._fqns.extend(unit.param_fqns)
         # Plain Parameters sharing storage with the master DTensors' local shards.
         self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
+        # under TP, the params every tp rank holds whole (SequenceParallel norms): their
+        # share of the global grad norm is counted on one tp rank only
+        self._tp_replicated = [isinstance(p, Replicate) for u in self._root.units
+                               for p in (u.tp_placements or [None] * len(u.params))]
         self.optimizer_class = optimizer_class  # what the user asked for (checkpoints name it)
         if optimizer_class in SHARDED_OPTIMIZERS:
             self.inner = SHARDED_OPTIMIZERS[optimizer_class](
@@ -205,8 +215,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
         k, index = unit.info.os_split
         masters = []
         views: dict[int, int] = {}
+        placements, full_shapes = OS_PLACEMENTS, unit.global_shapes
+        if unit.tp_placements:  # (mesh.py's Note: "tp" comes first)
+            full_shapes = unit.full_shapes
         for i, (local, shape, rows) in enumerate(
                 zip(unit.local_params(), unit.global_shapes, unit.p_layout.params)):
+            if unit.tp_placements:
+                placements = (unit.tp_placements[i], *OS_PLACEMENTS)
             start, length = chunk_rows(rows.rows, k)[index]
             with torch.no_grad():
                 chunk = local.reshape(rows.rows, rows.cols)[start : start + length]
@@ -215,13 +230,14 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     views[i] = local.untyped_storage().data_ptr()
                 else:
                     master_local = chunk.to(torch.float32, copy=True).reshape(length, *shape[1:])
+            full = full_shapes[i]
             master = DTensor.from_local(
                 master_local,
                 unit.info.mesh,
-                OS_PLACEMENTS,
+                placements,
                 run_check=False,
-                shape=shape,
-                stride=_contiguous_stride(shape),
+                shape=full,
+                stride=_contiguous_stride(full),
             )
             masters.append(nn.Parameter(master))
         if views:
@@ -305,10 +321,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
         """This rank's rows of a tensor sharded like ``like`` (same rows; its trailing dims
-        may differ, as Adafactor's row factor's do)."""
-        shape = torch.Size((like.shape[0], *local.shape[1:]))
+        may differ, as Adafactor's row factor's do, which is not used with TP)."""
+        if local.shape == like.to_local().shape:
+            shape = like.shape
+        else:
+            shape = torch.Size((like.shape[0], *local.shape[1:]))
         return DTensor.from_local(
-            local, like.device_mesh, OS_PLACEMENTS, run_check=False,
+            local, like.device_mesh, like.placements, run_check=False,
             shape=shape, stride=_contiguous_stride(shape),
         )
 
@@ -322,7 +341,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
         Each rank holds a disjoint OS piece of the grads, and one full copy is spread over
         the s_os ranks of a "shard" group: a single all-reduce of one scalar over that
-        group gives the global norm. Same clip rule as torch.nn.utils.clip_grad_norm_.
+        group gives the global norm. Under tensor parallelism a second one over "tp" adds
+        the other TP pieces; a param every tp rank holds whole (a SequenceParallel norm)
+        is counted on tp rank 0 only. Same clip rule as torch.nn.utils.clip_grad_norm_.
         """
         max_norm, norm_type = float(max_norm), float(norm_type)
         if not max_norm > 0:
@@ -339,11 +360,17 @@ class AMSPOptimizer(torch.optim.Optimizer):
             total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
             op = dist.ReduceOp.MAX
         else:
-            local = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            counted = grads
+            if self._root.info.tp > 1 and self._root.info.coordinate["tp"] != 0:
+                counted = [p.grad for p, replicated in zip(self._opt_params, self._tp_replicated)
+                           if p.grad is not None and not replicated]
+            local = sum((g.abs().pow(norm_type).sum() for g in counted), torch.zeros((), device=device))
             total = local.to(torch.float32).reshape(1)
             op = dist.ReduceOp.SUM
         if self._root.info.size("shard") > 1:
             self._root.collectives.all_reduce(total, "shard", phase="step", op=op).wait()
+        if self._root.info.tp > 1:  # TP-sharded params: each tp rank holds another piece
+            self._root.collectives.all_reduce(total, "tp", phase="step", op=op).wait()
         total_norm = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:
@@ -555,12 +582,16 @@ class AMSPOptimizer(torch.optim.Optimizer):
         if full.dim() != like.dim() or (full.dim() and full.shape[0] != like.shape[0]):
             raise ValueError(f"optimizer state of shape {tuple(full.shape)} does not fit param {tuple(like.shape)}")
         local = like.to_local()
-        offset = _global_row_offset(like)
-        n_rows = local.shape[0] if local.dim() else 1
-        rows = full.reshape(full.shape[0] if full.dim() else 1, -1)[offset : offset + n_rows]
-        local_shape = (n_rows, *full.shape[1:]) if full.dim() else ()
+        if not full.dim():
+            return DTensor.from_local(full.clone(), like.device_mesh, like.placements,
+                                      run_check=False, shape=full.shape, stride=())
+        # this rank's rows, and under TP its columns too where TP splits them (Shard(1));
+        # trailing dims the state does not share with the param (a factor) stay whole
+        offset = compat.global_offset(like)
+        index = tuple(slice(o, o + n) if d == 0 or full.shape[d] == like.shape[d] else slice(None)
+                      for d, (o, n) in enumerate(zip(offset, local.shape)))
         return DTensor.from_local(
-            rows.reshape(local_shape).clone(), like.device_mesh, like.placements,
+            full[index].clone(), like.device_mesh, like.placements,
             run_check=False, shape=full.shape, stride=_contiguous_stride(full.shape),
         )
 
@@ -587,8 +618,3 @@ def _row_sharded(key: str, value, master_local: torch.Tensor) -> bool:
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
     return value.shape == master_local.shape or key == "row_var"
-
-
-def _global_row_offset(dtensor: DTensor) -> int:
-    offset = compat.global_offset(dtensor)
-    return offset[0] if len(offset) else 0

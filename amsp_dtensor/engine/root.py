@@ -37,6 +37,7 @@ import torch
 from torch.profiler import record_function
 
 from .. import compat
+from . import grad as grad_path
 from . import overlap, param_update, streams
 from .collectives import Collectives
 from .mesh import MeshInfo
@@ -223,8 +224,9 @@ class RootState:
         if not unit.uses_fsdp:
             for view, param in zip(unit.p_layout.views(flat), unit.params):
                 if param.grad is not None:
-                    view.copy_(param.grad.view_as(view))
-                    read.append(param.grad)
+                    grad = grad_path.local_grad(param)
+                    view.copy_(grad.view_as(view))
+                    read.append(grad)
                     param.grad = None
         self.on_unit_grads(unit, flat)
         # the grads were made on the compute stream: kept until the join (rule 2)

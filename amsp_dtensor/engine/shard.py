@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
 
 from .. import compat
@@ -254,7 +255,8 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
     # gradient path at all (AMSPState.frozen_units).
     trainable = [(n, p) for n, p in named if p.requires_grad]
     frozen = [p for _, p in named if not p.requires_grad]
-    global_shapes = [p.shape for _, p in trainable]
+    tp_of = _tp_layout_of(info, modules, located)  # (module index, name) -> (placement, shape)
+    global_shapes = [_local_shape(p) for _, p in trainable]
     grad_stream = streams.grad_stream(info.mesh.device_type)
     if uses_fsdp:
         kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward}
@@ -291,6 +293,11 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
     )
     if uses_fsdp:
         unit.param_module, unit.param_names = _fsdp_names(modules, unit.params)
+    if tp_of:
+        keys = list(zip(unit.param_module, unit.param_names))
+        unit.tp_placements = [tp_of[k][0] for k in keys]
+        unit.full_shapes = [tp_of[k][1] for k in keys]
+    if uses_fsdp:
         # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
         # engine divides once, on the fp32 master grads.
         module.set_force_sum_reduction_for_comms(True)
@@ -314,6 +321,42 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
         _land_before_submodule_forward(unit)
     _land_before_state_dicts(unit)
     return unit
+
+
+def _local_shape(param):
+    return param.to_local().shape if isinstance(param, DTensor) else param.shape
+
+
+def _tp_layout_of(info: MeshInfo, modules, located) -> dict:
+    """Under tensor parallelism, {(module index, name): (TP placement, whole shape)} of
+    every param (empty without TP). Each must be a DTensor on the AMSP mesh's "tp" dim,
+    as ``parallelize_module(model, mesh["tp"], ...)`` leaves them."""
+    tp_mesh = info.tp_mesh()
+    out = {}
+    for i, name, param in located:
+        where = f"{type(modules[i]).__name__}.{name}"
+        if not isinstance(param, DTensor):
+            if tp_mesh is None:
+                continue
+            raise ValueError(
+                f"parameter {where} is a plain tensor, but the AMSP mesh has tp={info.tp}: "
+                "apply tensor parallelism to every parameter of the model "
+                "(parallelize_module(model, mesh['tp'], plan)) before amsp.fully_shard"
+            )
+        if tp_mesh is None:
+            raise ValueError(
+                f"parameter {where} is a DTensor on mesh {param.device_mesh.mesh_dim_names} "
+                f"{param.placements} but the AMSP mesh has no tensor-parallel dim: build it "
+                "with amsp.init_mesh(plan, tp=N) and parallelize with its mesh['tp']"
+            )
+        if param.device_mesh != tp_mesh or param.device_mesh.mesh_dim_names != ("tp",):
+            raise ValueError(
+                f"parameter {where} is a DTensor on mesh {param.device_mesh}, not on the AMSP "
+                "mesh's 'tp' dim: parallelize the model with amsp_mesh['tp'] (the mesh "
+                "amsp.init_mesh(plan, tp=N) returned), not a mesh of its own"
+            )
+        out[(i, name)] = (param.placements[0], param.shape)
+    return out
 
 
 def _land_before_state_dicts(unit: AMSPUnit) -> None:

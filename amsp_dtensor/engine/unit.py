@@ -152,6 +152,11 @@ class AMSPUnit:
     modules: list[nn.Module] = field(default_factory=list)
     param_module: list[int] = field(default_factory=list)
     param_fqns: list[str] = field(default_factory=list)
+    # tensor parallelism (mesh "tp" dim): each trainable param's TP placement (Shard(d) or
+    # Replicate()) and its whole shape; ``global_shapes`` above are then the TP-local
+    # shapes, which the P, G and OS rows split. Empty without TP.
+    tp_placements: list = field(default_factory=list)
+    full_shapes: list[torch.Size] = field(default_factory=list)
     root: object = None  # the root.RootState, once the root is sharded (root.py imports this)
     _step: StepValue = field(default_factory=Idle)
 
@@ -361,16 +366,16 @@ class AMSPUnit:
 
     def local_params(self) -> list[torch.Tensor]:
         """This rank's P rows of each param, as plain tensors sharing the param storage."""
-        if self.uses_fsdp:
+        if self.uses_fsdp or self.tp_placements:  # FSDP's or TP's DTensors
             return [p.to_local() for p in self.params]
         return [p.data for p in self.params]
 
     def write_versions(self) -> tuple[int, ...]:
         """Version counters that move when a P shard is written in place: each param's
-        own (``p.mul_()``, ``p.copy_()``, ``load_state_dict``) and, for FSDP units, its
-        local tensor's (``p.to_local().mul_()``). A write through ``p.data`` moves neither."""
+        own (``p.mul_()``, ``p.copy_()``, ``load_state_dict``) and, for DTensor params (FSDP
+        units, TP), its local tensor's (``p.to_local().mul_()``). A write through ``p.data`` moves neither."""
         params = self.params
-        local = [p.to_local() for p in params] if self.uses_fsdp else []
+        local = [p.to_local() for p in params] if self.uses_fsdp or self.tp_placements else []
         return tuple(compat.tensor_version(t) for t in [*params, *local])
 
     def grad_dtype(self) -> torch.dtype:

@@ -25,7 +25,8 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
                 data = compat.fsdp_sharded_storage(fsdp_param)
                 param += data.numel() * data.element_size()
         else:
-            param += sum(p.numel() * p.element_size() for p in [*unit.params, *unit.frozen_params])
+            param += sum(_local(p).numel() * p.element_size()
+                         for p in [*unit.params, *unit.frozen_params])
         for buf in (unit.partial_grad, unit.synced_grad):
             if buf is not None:
                 grad += buf.numel() * buf.element_size()
@@ -51,3 +52,8 @@ def step_buffer_bytes(model: nn.Module) -> dict[str, int]:
             for t in (pending.comm.result, pending.send_buf):
                 gather += t.numel() * t.element_size()
     return {"synced_grad": synced, "gather": gather}
+
+
+def _local(param):
+    """A TP DTensor param's local piece (what this rank holds)."""
+    return param.to_local() if hasattr(param, "to_local") else param

@@ -55,11 +55,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        b, t, d = x.shape
-        h = self.n_heads
-        q, k, v = (w(x).view(b, t, h, d // h).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        b, t, _ = x.shape
+        head_dim = self.wq.in_features // self.n_heads
+        # -1 heads: under tensor parallelism wq/wk/wv give this rank's heads only
+        q, k, v = (w(x).view(b, t, -1, head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
         out = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
@@ -105,3 +107,40 @@ class TinyLlama(nn.Module):
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def tensor_parallelize(model: TinyLlama, tp_mesh) -> TinyLlama:
+    """torchtitan's llama3 tensor-parallel plan (sequence parallel, no loss parallel) on
+    the tiny llama: embeddings rowwise, q/k/v and w1/w3 colwise, wo and w2 rowwise with
+    sequence-sharded outputs, the norms SequenceParallel, the output head colwise."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                            desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return model
