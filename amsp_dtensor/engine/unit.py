@@ -38,6 +38,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .. import compat
@@ -358,11 +359,30 @@ class AMSPUnit:
         a meta model) may have replaced. Returns True if any changed (hooks need re-adding)."""
         if self.uses_fsdp:
             return False
-        current = [self.modules[i].get_parameter(name)
-                   for i, name in zip(self.param_module, self.param_names)]
+        current = self._module_params()
+        self._check_tp_kind(current)
         changed = any(a is not b for a, b in zip(current, self.own_params))
         self.own_params = current
         return changed
+
+    def _module_params(self) -> list[nn.Parameter]:
+        return [self.modules[i].get_parameter(name)
+                for i, name in zip(self.param_module, self.param_names)]
+
+    def _check_tp_kind(self, current: list) -> None:
+        """A param may be replaced by one of the same kind (``to_empty`` does that), but
+        not turned into a tensor-parallel DTensor (or back): the layouts, masters and hooks
+        were built for what ``fully_shard`` saw."""
+        was = self.tp_placements or [None] * len(current)
+        for j, (param, placement) in enumerate(zip(current, was)):
+            now = param.placements[0] if isinstance(param, DTensor) else None
+            if now != placement:
+                name = self.param_fqns[j] if len(self.param_fqns) == len(current) else self.name
+                raise RuntimeError(
+                    f"parameter {name} was {_kind(placement)} when amsp.fully_shard ran and is "
+                    f"{_kind(now)} now: apply tensor parallelism (parallelize_module) before "
+                    "amsp.fully_shard, not after"
+                )
 
     def local_params(self) -> list[torch.Tensor]:
         """This rank's P rows of each param, as plain tensors sharing the param storage."""
@@ -387,6 +407,8 @@ class AMSPUnit:
         """The P shards must still be where they were sharded: the masters, layouts and
         process groups were all built for that device. A unit sharded on the meta device
         (torchtitan's flow) takes the device it is materialised on (``to_empty``)."""
+        if not self.uses_fsdp:
+            self._check_tp_kind(self._module_params())
         local = self.local_params()
         if not local or local[0].device == self.device:
             return
@@ -398,3 +420,7 @@ class AMSPUnit:
                 f"now on {local[0].device}: move the model before amsp.fully_shard (or build "
                 "it on the target device), not after"
             )
+
+
+def _kind(tp_placement) -> str:
+    return "a plain tensor" if tp_placement is None else f"a DTensor placed {tp_placement!r}"

@@ -1,0 +1,103 @@
+"""Bad inputs to AMSP with tensor parallelism, each refused in one line that names the fix,
+before any collective: one process as rank 0 of a 4-rank job on torch's fake process
+group (no data moves; what is checked is the refusal)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import amsp_dtensor as amsp
+from amsp_dtensor import compat
+from amsp_dtensor.testing.scenarios import shard_model
+from amsp_dtensor.testing.tiny_llama import TinyLlama, loss_fn, tensor_parallelize
+
+
+@pytest.fixture
+def fake_four_ranks():
+    if dist.is_initialized():
+        pytest.skip("needs its own (fake) default process group")
+    compat.init_fake_process_group(rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_tp_that_does_not_divide_ranks_per_node(fake_four_ranks):
+    with pytest.raises(ValueError) as e:
+        amsp.init_mesh(amsp.ShardingPlan(1, 1, 1), ranks_per_node=4, device_type="cpu", tp=3)
+    assert "tp=3 does not divide ranks_per_node=4" in _one_line(e)
+
+
+def test_plan_factor_that_does_not_fit_the_data_parallel_world(fake_four_ranks):
+    with pytest.raises(ValueError) as e:  # 4 ranks / tp 2 = 2 data-parallel ranks
+        amsp.init_mesh(amsp.ShardingPlan(4, 4, 4), ranks_per_node=4, device_type="cpu", tp=2)
+    message = _one_line(e)
+    assert "under tp=2" in message and "data-parallel world (2 ranks, 2 per node)" in message
+    assert "param=4" in message
+
+
+def test_model_not_parallelized_before_fully_shard(fake_four_ranks):
+    plan = amsp.ShardingPlan(2, 2, 2)
+    mesh = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu", tp=2)
+    with pytest.raises(ValueError) as e:
+        amsp.fully_shard(TinyLlama().layers[0], mesh=mesh, plan=plan)
+    message = _one_line(e)
+    assert "plain tensor" in message and "tp=2" in message
+    assert "parallelize_module(model, mesh['tp'], plan)) before amsp.fully_shard" in message
+
+
+def test_tp_on_a_mesh_that_is_not_the_amsp_meshs_tp_dim(fake_four_ranks):
+    plan = amsp.ShardingPlan(2, 2, 2)
+    mesh = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu", tp=2)
+    other = DeviceMesh("cpu", torch.tensor([0, 2]), mesh_dim_names=("tp",))  # mesh["tp"] is [0, 1]
+    model = tensor_parallelize(TinyLlama(), other)
+    with pytest.raises(ValueError) as e:
+        amsp.fully_shard(model.layers[0], mesh=mesh, plan=plan)
+    assert "not on the AMSP mesh's 'tp' dim" in _one_line(e)
+
+
+def test_tp_params_with_a_mesh_built_without_tp(fake_four_ranks):
+    plan = amsp.ShardingPlan(1, 1, 2)
+    mesh = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu")
+    tp_mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",))
+    model = tensor_parallelize(TinyLlama(), tp_mesh)
+    with pytest.raises(ValueError) as e:
+        amsp.fully_shard(model.layers[0], mesh=mesh, plan=plan)
+    assert "amsp.init_mesh(plan, tp=N)" in _one_line(e)
+
+
+def test_tp_applied_after_fully_shard_is_refused_at_the_next_forward(fake_four_ranks):
+    """s_p = 1 units keep plain parameters, which parallelize_module can still replace;
+    the unit refuses at its next forward, before anything is issued. (Units with s_p > 1
+    hold FSDP2's DTensors, and parallelize_module itself refuses to redistribute them.)"""
+    plan = amsp.ShardingPlan(1, 1, 4)
+    mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
+    model = TinyLlama()
+    shard_model(model, mesh, plan)
+    tensor_parallelize(model, DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",)))
+    tokens = torch.zeros(2, 9, dtype=torch.long)
+    with pytest.raises(RuntimeError) as e:
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    message = _one_line(e)
+    assert "was a plain tensor when amsp.fully_shard ran" in message
+    assert "apply tensor parallelism (parallelize_module) before amsp.fully_shard" in message
+
+
+def test_adafactor_with_tp(fake_four_ranks):
+    plan = amsp.ShardingPlan(2, 2, 2)
+    mesh = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu", tp=2)
+    model = tensor_parallelize(TinyLlama(), mesh["tp"])
+    shard_model(model, mesh, plan)
+    with pytest.raises(ValueError) as e:
+        amsp.AMSPOptimizer(model, torch.optim.Adafactor)
+    assert "Adafactor with tensor parallelism is not supported" in _one_line(e)
