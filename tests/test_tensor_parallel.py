@@ -22,7 +22,9 @@ from amsp_dtensor.plan.cost.check import schedule_differences
 from amsp_dtensor.plan.cost.memory import state_bytes_of_rank
 from amsp_dtensor.testing.multiproc import run_on_ranks
 from amsp_dtensor.testing.scenarios import reference_training
-from amsp_dtensor.testing.tensor_parallel import tp_training
+from amsp_dtensor import checkpoint
+from amsp_dtensor.testing.scenarios import full_weights
+from amsp_dtensor.testing.tensor_parallel import build, full_optimizer_state, tp_training, train
 from amsp_dtensor.testing.tiny_llama import TinyLlama
 
 TP, STEPS, MICRO_BATCHES, READ_STEPS = 2, 3, 2, 3
@@ -34,19 +36,60 @@ IDS = [f"w{w}-rpn{rpn}-p{p[0]}-g{p[1]}-os{p[2]}" for w, rpn, p in CASES]
 TOLERANCE = 1e-5
 
 
-def _world_cases(rank, world):
-    return {(rpn, plan): tp_training(rank, world, plan, TP, rpn, MICRO_BATCHES, STEPS,
-                                     read_steps=READ_STEPS)
-            for w, rpn, plan in CASES if w == world}
+def _world_cases(rank, world, directory):
+    out = {(rpn, plan): tp_training(rank, world, plan, TP, rpn, MICRO_BATCHES, STEPS,
+                                    read_steps=READ_STEPS)
+           for w, rpn, plan in CASES if w == world}
+    out["resharding"] = (_resharding_at_4 if world == 4 else _resharding_at_8)(rank, world, directory)
+    return out
+
+
+# [Checkpoints across TP degrees] Saved at tp 2 under (2, 2, 2) on 4 ranks after 3 steps of
+# 2 micro-batches; loaded at tp 1 under (1, 1, 4) on 4 ranks and at tp 2 under (2, 2, 4) on
+# 8 ranks, both with 1 micro-batch: dp x micro-batches is 4 everywhere, so every run sees
+# the same global batches and continues the same curve. The tp 1 run saves again after
+# its 2 steps and a tp 2 run under (1, 1, 2) loads that: the reverse direction.
+def _state(model, optim):
+    return full_weights(model), full_optimizer_state(optim)
+
+
+def _resharding_at_4(rank, world, directory):
+    out = {}
+    model, optim = build((2, 2, 2), 2, 4)
+    train(model, optim, rank, world, 2, 2, 3)
+    checkpoint.save(directory, 3, model, optim)
+    out["saved"] = _state(model, optim)
+    out["uninterrupted"] = train(model, optim, rank, world, 2, 2, 2, first_step=3)[0]
+    model, optim = build((1, 1, 4), 1, 2)
+    checkpoint.load(checkpoint.step_path(directory, 3), model, optim)
+    out["loaded_at_tp1"] = _state(model, optim)
+    out["resumed_at_tp1"] = train(model, optim, rank, world, 1, 1, 2, first_step=3)[0]
+    checkpoint.save(directory, 5, model, optim)
+    out["saved_at_tp1"] = _state(model, optim)
+    model, optim = build((1, 1, 2), 2, 4)
+    checkpoint.load(checkpoint.step_path(directory, 5), model, optim)
+    out["loaded_back_at_tp2"] = _state(model, optim)
+    return out if rank == 0 else None
+
+
+def _resharding_at_8(rank, world, directory):
+    model, optim = build((2, 2, 4), 2, 4)
+    checkpoint.load(checkpoint.step_path(directory, 3), model, optim)
+    out = {"loaded": _state(model, optim),
+           "resumed": train(model, optim, rank, world, 2, 1, 2, first_step=3)[0]}
+    return out if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    runs = {}
+def worlds(tmp_path_factory):
+    runs, directory = {}, tmp_path_factory.mktemp("tp_checkpoints")
 
     def get(world):
+        if world == 8:
+            get(4)  # it writes the checkpoint the 8-rank world loads
         if world not in runs:
-            runs[world] = run_on_ranks(_world_cases, world, WORLDS[world][0], timeout=900)
+            runs[world] = run_on_ranks(_world_cases, world, WORLDS[world][0], str(directory),
+                                       timeout=900)
         return runs[world]
 
     return get
@@ -138,3 +181,30 @@ def test_bytes_per_state_equal_the_cost_model(worlds, world, rpn, plan):
         mem = result[(rpn, plan)]["memory"]
         assert (mem["param"], mem["grad"], mem["optim"]) == (
             predicted.param, predicted.grad, predicted.optim), (rank, mem, predicted)
+
+
+def _assert_bit_identical(got, want):
+    (got_w, got_s), (want_w, want_s) = got, want
+    assert got_w.keys() == want_w.keys() and got_s.keys() == want_s.keys()
+    for name in want_w:
+        assert torch.equal(got_w[name], want_w[name]), name
+    for fqn, entry in want_s.items():
+        assert got_s[fqn].keys() == entry.keys(), fqn
+        for key, value in entry.items():
+            assert torch.equal(got_s[fqn][key], value), (fqn, key)
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp1_and_on_8_ranks(worlds):
+    at4, at8 = worlds(4)[0]["resharding"], worlds(8)[0]["resharding"]
+    _assert_bit_identical(at4["loaded_at_tp1"], at4["saved"])
+    _assert_bit_identical(at8["loaded"], at4["saved"])
+    # the curve continues: same global batches, other reduction orders
+    want = at4["uninterrupted"]
+    for got in (at4["resumed_at_tp1"], at8["resumed"]):
+        assert len(got) == len(want) == 2
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-4, (got, want)
+
+
+def test_checkpoint_saved_at_tp1_loads_at_tp2(worlds):
+    at4 = worlds(4)[0]["resharding"]
+    _assert_bit_identical(at4["loaded_back_at_tp2"], at4["saved_at_tp1"])
