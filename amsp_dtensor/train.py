@@ -213,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     if plan is not None:
+        tp = job_config.parallelism.tensor_parallel_degree
+        under_tp = f" x tensor parallel {tp}" if tp > 1 else ""
         logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
-                    f"({plan.ranks_per_node} per node)")
+                    f"({plan.ranks_per_node} per node){under_tp}")
     prepare_data(job_config)
     from amsp_dtensor.checkpoint import CheckpointMismatch
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
 from torchtitan.models.llama3.infra import parallelize as _llama3_parallelize
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
@@ -37,20 +38,6 @@ def amsp_plan_of(model: nn.Module):
     """The ResolvedPlan an AMSP-parallelized model runs, or None for any other model."""
     root = handle.root_of(model)
     return root.info.plan if root is not None else None
-
-
-def _check_parallelism(parallel_dims: ParallelDims) -> None:
-    for name, degree in (
-        ("tensor_parallel_degree", parallel_dims.tp),
-        ("context_parallel_degree", parallel_dims.cp),
-        ("pipeline_parallel_degree", parallel_dims.pp),
-        ("expert_parallel_degree", parallel_dims.ep),
-    ):
-        if degree != 1:
-            raise AmspConfigError(
-                f"parallelism.{name}={degree}: AMSP shards data-parallel states only; "
-                "set it to 1 (AMSP with TP/CP/PP is not implemented)"
-            )
 
 
 def _mixed_precision(job_config) -> MixedPrecisionPolicy | None:
@@ -120,9 +107,21 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
     def parallelize_amsp(model: nn.Module, parallel_dims: ParallelDims, job_config):
         import amsp_dtensor as amsp
 
-        _check_parallelism(parallel_dims)
         plan = resolve_plan(job_config, world=parallel_dims.world_size)
+        tp = parallel_dims.tp
         blocks = _blocks(model)
+        sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
+        mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node * tp,
+                              device_type=device_type, tp=tp)
+        full_init = job_config.amsp.init_full_model
+        if tp > 1:
+            # [Note: TP, then everything else] As parallelize_llama: TP first, on the plain
+            # model, so its plan's module paths hold; then AC, compile and the sharding. With
+            # full init the weights are made whole first (same seed on every rank), so each
+            # tp rank keeps its chunk of one initialisation, whatever the layout.
+            if full_init:
+                init_full_model(model, job_config)
+            _apply_tp(model, module, mesh["tp"], job_config)
 
         # Same order as parallelize_llama: AC wrapping, then per-block compile, then sharding.
         compile_model = job_config.compile.enable and "model" in job_config.compile.components
@@ -138,17 +137,13 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
             compile_blocks(model, job_config.compile)
         blocks = _blocks(model)  # AC and compile replace the blocks with wrappers
 
-        full_init = job_config.amsp.init_full_model
-        if full_init:
+        if full_init and tp == 1:
             # Same seed, whole model, every rank: all plans start from identical weights.
             # torchtitan's later to_empty/init_weights are then kept off it (keep_weights).
             init_full_model(model, job_config)
         # else: shard the meta model; torchtitan's Trainer materialises and initialises the
         # shards afterwards (to_empty + init_weights), as with its own FSDP path.
 
-        sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
-        mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node,
-                              device_type=device_type)
         mp_policy = _mixed_precision(job_config)
         raf = job_config.amsp.reshard_after_forward
         ends = _end_units(model)
@@ -167,15 +162,34 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         amsp.set_gradient_divide_factor(model, 1.0)
         if full_init:
             keep_weights(model)
+        under_tp = f" x tp {tp}" if tp > 1 else ""
         logger.info(
             f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
-            f"on {plan.world_size} ranks, {plan.ranks_per_node} per node; mesh {plan.mesh_shape}"
+            f"on {plan.world_size} data-parallel ranks{under_tp}, {plan.ranks_per_node} per "
+            f"node; mesh {plan.mesh_shape}"
         )
         return model
 
     parallelize_amsp.amsp_base = base_name or base_fn.__module__
     parallelize_amsp.__qualname__ = f"parallelize_amsp[{parallelize_amsp.amsp_base}]"
     return parallelize_amsp
+
+
+def _apply_tp(model: nn.Module, base_module, tp_mesh, job_config) -> None:
+    """The base recipe's own ``apply_tp`` (sequence parallel; loss parallel unless
+    ``parallelism.disable_loss_parallel``; float8 TP as it decides), then async TP if
+    asked, as torchtitan's parallelize_llama does."""
+    apply_tp = getattr(base_module, "apply_tp", None)
+    if apply_tp is None:
+        raise AmspConfigError(
+            f"parallelism.tensor_parallel_degree={tp_mesh.size()}: {base_module.__name__} has no "
+            "apply_tp to split this model with; set it to 1"
+        )
+    float8 = "float8" in job_config.model.converters and (
+        job_config.quantize.linear.float8.recipe_name not in ("rowwise", "rowwise_with_gw_hp"))
+    apply_tp(model, tp_mesh, loss_parallel=not job_config.parallelism.disable_loss_parallel,
+             enable_float8_tensorwise_tp=float8)
+    maybe_enable_async_tp(job_config, tp_mesh)
 
 
 def is_amsp_parallelize_fn(fn) -> bool:

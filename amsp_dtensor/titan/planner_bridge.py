@@ -31,7 +31,8 @@ def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
     spec = get_train_spec(job_config.model.name)
     model_args = spec.model_args[job_config.model.flavor]
     t = job_config.training
-    dp = world  # AMSP runs pure data parallel here
+    tp = job_config.parallelism.tensor_parallel_degree
+    dp = world // tp  # the data-parallel ranks; each tp group takes one share of the batch
     gbs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
     return {
         "model_args": model_args,
@@ -41,6 +42,7 @@ def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
         "num_micro_batches": gbs // (t.local_batch_size * dp),
         "world_size": world,
         "ranks_per_node": ranks_per_node,
+        "tp": tp,
         "gpu_memory_bytes": _gpu_memory_bytes(job_config),
         "activation_checkpoint": job_config.activation_checkpoint.mode,
         "param_dtype": job_config.training.mixed_precision_param,
@@ -60,6 +62,13 @@ def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
         ) from None
     inputs = planner_inputs(job_config, world, ranks_per_node)
     accepted = inspect.signature(planner_plan).parameters
+    tp = inputs["tp"]
+    if tp > 1 and "tp" not in accepted:
+        raise AmspConfigError(
+            f"amsp.plan='auto' with parallelism.tensor_parallel_degree={tp}: this checkout's "
+            "planner does not model tensor parallelism; set param_shard, grad_shard and "
+            "optim_shard instead"
+        )
     kwargs = {k: v for k, v in inputs.items() if k in accepted}
     try:
         chosen = planner_plan(**kwargs)
@@ -68,7 +77,7 @@ def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
     report, chosen = chosen, getattr(chosen, "plan", chosen)  # PlanReport or the plan itself
     _log_choice(report, chosen)
     if not isinstance(chosen, ResolvedPlan):
-        chosen = chosen.resolve(world, ranks_per_node)
+        chosen = chosen.resolve(world // tp, ranks_per_node // tp)  # the data-parallel world
     return chosen
 
 

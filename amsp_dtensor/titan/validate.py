@@ -103,8 +103,47 @@ def check_reshard_after_forward(cfg: Amsp, plan: ResolvedPlan) -> None:
         )
 
 
+# torchtitan's other parallelisms, which AMSP does not compose with (yet): key -> name
+UNSUPPORTED_PARALLELISM = {
+    "context_parallel_degree": "context parallelism",
+    "pipeline_parallel_degree": "pipeline parallelism",
+    "expert_parallel_degree": "expert parallelism",
+}
+
+
+def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
+    """[parallelism] checked for AMSP: CP, PP and EP refused; the TP degree returned once
+    it divides the ranks per node (TP groups inside a node) and the sequence length (as
+    torchtitan's sequence parallelism needs)."""
+    parallelism = job_config.parallelism
+    for key, name in UNSUPPORTED_PARALLELISM.items():
+        degree = getattr(parallelism, key)
+        if degree != 1:
+            raise AmspConfigError(
+                f"parallelism.{key}={degree}: AMSP composes with data and tensor parallelism "
+                f"only; set it to 1 ({name} with AMSP is not implemented)"
+            )
+    tp = parallelism.tensor_parallel_degree
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise AmspConfigError(f"parallelism.tensor_parallel_degree={tp!r}: must be a positive int")
+    if ranks_per_node % tp:
+        raise AmspConfigError(
+            f"parallelism.tensor_parallel_degree={tp}: does not divide the {ranks_per_node} "
+            "ranks per node; tensor-parallel groups must lie inside a node (use a divisor "
+            "of the ranks per node)"
+        )
+    seq_len = job_config.training.seq_len
+    if seq_len % tp:
+        raise AmspConfigError(
+            f"parallelism.tensor_parallel_degree={tp}: training.seq_len={seq_len} is not a "
+            "multiple of it (sequence parallelism splits the sequence over the tp ranks)"
+        )
+    return tp
+
+
 def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | None = None):
-    """Validate job_config.amsp for this world; return the ResolvedPlan to run.
+    """Validate job_config.amsp (and [parallelism]) for this world; return the ResolvedPlan
+    to run, over the data-parallel world (world / tp ranks, ranks_per_node / tp per node).
 
     plan = "auto" asks amsp_dtensor's planner (see planner_bridge). Raises AmspConfigError.
     """
@@ -130,11 +169,19 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
             f"amsp.plan={cfg.plan!r}: use \"auto\" (planner chooses) or \"\" (use "
             "param_shard/grad_shard/optim_shard)"
         )
+    tp = tensor_parallel_degree(job_config, ranks_per_node)
     if cfg.plan == "auto":
         from .planner_bridge import plan_auto
 
         plan = plan_auto(job_config, world, ranks_per_node)
     else:
-        plan = resolve_explicit(cfg, world, ranks_per_node)
+        try:
+            plan = resolve_explicit(cfg, world // tp, ranks_per_node // tp)
+        except AmspConfigError as e:
+            if tp == 1:
+                raise
+            raise AmspConfigError(
+                f"{e} (under parallelism.tensor_parallel_degree={tp} the factors are those of "
+                f"the data-parallel world: {world} / {tp} ranks)") from None
     check_reshard_after_forward(cfg, plan)
     return plan
