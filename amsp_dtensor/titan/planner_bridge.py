@@ -42,7 +42,8 @@ def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
         "num_micro_batches": gbs // (t.local_batch_size * dp),
         "world_size": world,
         "ranks_per_node": ranks_per_node,
-        "tp": tp,
+        "tensor_parallel_degree": tp,
+        "loss_parallel": not job_config.parallelism.disable_loss_parallel,
         "gpu_memory_bytes": _gpu_memory_bytes(job_config),
         "activation_checkpoint": job_config.activation_checkpoint.mode,
         "param_dtype": job_config.training.mixed_precision_param,
@@ -62,8 +63,8 @@ def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
         ) from None
     inputs = planner_inputs(job_config, world, ranks_per_node)
     accepted = inspect.signature(planner_plan).parameters
-    tp = inputs["tp"]
-    if tp > 1 and "tp" not in accepted:
+    tp = inputs["tensor_parallel_degree"]
+    if tp > 1 and "tensor_parallel_degree" not in accepted:
         raise AmspConfigError(
             f"amsp.plan='auto' with parallelism.tensor_parallel_degree={tp}: this checkout's "
             "planner does not model tensor parallelism; set param_shard, grad_shard and "
