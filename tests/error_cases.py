@@ -19,7 +19,12 @@ EXPECTED = [
     ("plan breaks chain order", ValueError, "param <= grad <= optim"),
     ("factor does not divide world", ValueError, "divide"),
     ("plan of wrong type", TypeError, "ShardingPlan"),
-    ("resolved plan for another world", ValueError, "this job has 4 ranks"),
+    (
+        "resolved plan for another world",
+        ValueError,
+        "this job has 4 data-parallel ranks, 2 per node: pass the ShardingPlan itself, "
+        "or resolve it for this job with .resolve(4, 2)",
+    ),
     ("plan differs from mesh", ValueError, "does not match the mesh"),
     ("not a module", TypeError, "nn.Module"),
     ("mesh not from init_mesh", ValueError, "amsp.init_mesh"),

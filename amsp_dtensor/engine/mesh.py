@@ -160,7 +160,8 @@ def init_mesh(
             raise ValueError(
                 f"plan was resolved for world {plan.world_size} x {plan.ranks_per_node} per "
                 f"node, but this job has {dp_world} data-parallel ranks, {dp_per_node} per "
-                f"node{under}"
+                f"node{under}: pass the ShardingPlan itself, or resolve it for this job with "
+                f".resolve({dp_world}, {dp_per_node})"
             )
         resolved = plan
     elif isinstance(plan, ShardingPlan):
