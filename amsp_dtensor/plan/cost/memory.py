@@ -381,7 +381,7 @@ def temp_bytes(
 
 # [Note: the backward's peak moments] The sum of every buffer's own maximum overstates the
 # peak, and FSDP2 holds two buffers the engine never sees, so temp_bytes takes the largest
-# of four moments (on top of the states and all the saved activations):
+# of four moments, five under TP (on top of the states and all the saved activations):
 # 1. The output head's backward: the loss gradient (fp32 and e-byte copies of the logits'
 #    gradient), the gathered units, the largest unit's unsharded grads (and their
 #    reduce-dtype copy), the engine's hook input and, with s_g > s_p, the packed copy and
@@ -400,6 +400,12 @@ def temp_bytes(
 # 4. With s_p > 1, the root's post-backward at the end: its gathered params, unsharded
 #    grads and reduce-scatter input, with every activation freed (it matters only when
 #    the root is large against the activations: a big vocabulary, full checkpointing).
+# 5. With tensor parallelism, the embedding's backward, the last of all: DTensor computes
+#    the gradient of the RowwiseParallel embedding replicated (vocab x dim on every TP
+#    rank; embedding_dense_backward has no Shard(0) rule on this torch) and FSDP2, or the
+#    engine's hook with s_p = 1, takes this rank's rows from it: so beside moment 4's
+#    buffers (or the hook's, with s_p = 1) the whole vocab x dim gradient is alive once,
+#    with every activation freed.
 # Measured on the debug model (tools/bench_frontier.py, per-op samples of a steady-state
 # step, 25 plans at 2x2 and 4x2): within -1.6..+1.0 MB of the measured peaks, where the
 # upper-bound sum was -1.6..+3.5 MB. The peak-per-rank samples include gloo's buffers,

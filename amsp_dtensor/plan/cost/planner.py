@@ -283,7 +283,7 @@ def estimate_plan(
     tp_comms = tp_events(model, tp, seq_len=seq_len, micro_batch=micro_batch,
                          micro_batches=micro_batches, dtype_bytes=DTYPE_BYTES[mixed_precision],
                          activation_checkpointing=activation_checkpointing,
-                         loss_parallel=loss_parallel)
+                         loss_parallel=loss_parallel, clip=clip)
     os_numel = shard_numel([sh for unit in shapes for sh in unit], plan.s_os)
     st = step_time(model, events, time_model, seq_len=seq_len, micro_batch=micro_batch,
                    micro_batches=micro_batches, os_numel=os_numel, compute=compute,

@@ -220,7 +220,8 @@ def step_time(
         chain_end = grad_chain(root, prev_end)
         t = max([prev_end, chain_end] + pending_sync)
     # ---- step ----
-    t = tl.comm(t, clip)
+    t = tl.comm(t, clip + tpc(-1, "step"))  # the clip's all-reduces (over "tp" too)
+    tl.tp_busy += tpc(-1, "step")
     _, t = tl.compute(t, OPTIM_STEP_BYTES * os_numel / cm.hbm_bw)
     if not overlap_param_update:
         for u in range(L + 1):

@@ -35,6 +35,9 @@ tests/test_planner_tp.py):
                                      its backward needs no collective
   loss, no loss_parallel  AG  T*V*e  forward: the logits gathered to Replicate (the
   (disable_loss_parallel)            backward takes the local chunk, no collective)
+  clip_grad_norm_         AR  4      once per step: the engine adds the TP pieces' squared
+                                     norms over "tp" (the only TP collective the engine
+                                     issues itself, so the only one amsp.record_comms sees)
 
 Time: these collectives are on the critical path: each one's result is the next op's
 input (torchtitan's async TP, which overlaps them with the matmuls, needs torch.compile
@@ -71,11 +74,12 @@ def check_sequence_parallel(seq_len: int, tp: int) -> None:
 def tp_events(
     model: ModelShape, tp: int, *, seq_len: int, micro_batch: int, micro_batches: int,
     dtype_bytes: int, activation_checkpointing: str = "none", loss_parallel: bool = True,
+    clip: bool = False,
 ) -> list[PlannedComm]:
     """TP's collectives of one optimizer step (M micro-batches), per unit, with counts
     (module docstring). Units are indexed as ``model.units()``: the blocks, and the
     embeddings and head in the root unit ("blocks" layout) or in units 0 and L + 1
-    ("titan"). Empty for tp = 1."""
+    ("titan"); clip's all-reduce has unit -1. Empty for tp = 1."""
     if tp == 1:
         return []
     model.check_tensor_parallel(tp)
@@ -89,9 +93,10 @@ def tp_events(
     g = tp_group(tp)
     out: list[PlannedComm] = []
 
-    def add(op, nbytes, phase, count, unit):
-        out.append(PlannedComm(op, "tp", tp, int(nbytes), False, phase, count * M, unit,
-                               g.stride, g.nodes))
+    def add(op, nbytes, phase, count, unit, per_micro_batch=True):
+        out.append(PlannedComm(op, "tp", tp, int(nbytes), False, phase,
+                               count * M if per_micro_batch else count, unit, g.stride,
+                               g.nodes))
 
     L = model.n_layers
     titan = model.layout == "titan"
@@ -114,15 +119,19 @@ def tp_events(
         add("all_reduce", 4 * T, "forward", 3, head)
     else:
         add("all_gather", T * tp * tp_chunk(model.vocab_size, tp) * e, "forward", 1, head)
+    if clip:
+        add("all_reduce", 4, "step", 1, -1, per_micro_batch=False)
     return out
 
 
 def tp_seconds_per_micro_batch(
     events: Sequence[PlannedComm], time_model: TimeModel, micro_batches: int,
 ) -> dict[tuple[int, str], float]:
-    """{(unit, phase): seconds of TP collectives per micro-batch} for cost/step.py."""
+    """{(unit, phase): seconds of TP collectives per micro-batch} for cost/step.py (the
+    once-per-step clip all-reduce, (-1, "step"), per step)."""
     out: dict[tuple[int, str], float] = {}
     for ev in events:
-        t = time_model.time(ev.op, ev.nbytes, ev.group) * ev.count / micro_batches
+        per = 1 if ev.phase == "step" else micro_batches
+        t = time_model.time(ev.op, ev.nbytes, ev.group) * ev.count / per
         out[(ev.unit, ev.phase)] = out.get((ev.unit, ev.phase), 0.0) + t
     return out
