@@ -249,8 +249,8 @@ def render(report: PlanReport, top: int) -> str:
         "comm sum: collective times added up (no overlap); step: predicted step time with the",
         "engine's overlap; plans within 1% of the fastest step rank by comm sum.",
         *([f"TP's own collectives (activations, per layer) take "
-           f"{best.tp_comm_seconds * 1e3:.1f} ms of the chosen step, on the critical path "
-           "(not in comm sum)."] if report.tp > 1 else []),
+           f"{best.tp_comm_seconds * 1e3:.1f} ms of the chosen step,",
+           "on the critical path (in step, not in comm sum)."] if report.tp > 1 else []),
         f"chosen: {best.plan.name}, {best.memory.total / GiB:.2f} GiB/GPU, "
         f"{best.step_seconds * 1e3:.1f} ms/step, MFU {best.step.mfu * 100:.1f}%. For the job TOML:",
         "",
