@@ -147,8 +147,13 @@ def _probe() -> dict:
         out["block_saved"] = sum(saved.values())
         saved.clear()
         logits = model.output(model.norm(h))
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
         out["root_tail_saved"] = sum(saved.values())
+        loss.backward()
+    # the gradients autograd leaves before any data-parallel code sees them
+    out["grads"] = {name: [type(p.grad.placements[0]).__name__, list(p.grad.to_local().shape)]
+                    for name, p in model.named_parameters()
+                    if name in ("tok_embeddings.weight", "norm.weight", "output.weight")}
 
     # 3. the collectives of one micro-batch, with FSDP2 over a one-rank DP mesh (its
     # post-backward is what all-reduces the norms' Partial gradients)
@@ -211,6 +216,16 @@ def test_tp_activations_equal_saved_tensors(probe):
     # plus the 4-byte total_weight scalar of nll_loss
     root = root_activation_bytes(shape, SEQ, BATCH, 2, tp=TP)
     assert probe["root_tail_saved"] == root - 8 * SEQ * BATCH + 4
+
+
+def test_tp_gradients_as_the_memory_and_comm_models_take_them(probe):
+    # the embedding's gradient comes out replicated, the whole vocab x dim on every TP
+    # rank (memory.py's fifth backward moment); a SequenceParallel norm's is Partial, so
+    # FSDP2 or the engine all-reduces it over TP (tensor_parallel.py); the output head's
+    # stays sharded like its weight
+    assert probe["grads"] == {"tok_embeddings.weight": ["Replicate", [2050, 256]],
+                              "norm.weight": ["Partial", [256]],
+                              "output.weight": ["Shard", [513, 256]]}
 
 
 @pytest.mark.parametrize("loss_parallel, ac", [(True, "none"), (False, "none"),
