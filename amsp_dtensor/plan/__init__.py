@@ -14,8 +14,9 @@ from .sharding_plan import (
     Factor,
     ResolvedPlan,
     ShardingPlan,
+    data_parallel_world,
     enumerate_plans,
 )
 
 __all__ = ["BASELINES", "Factor", "ResolvedPlan", "STRATEGY_NAMES", "ShardingPlan",
-           "enumerate_plans"]
+           "data_parallel_world", "enumerate_plans"]

@@ -3,6 +3,10 @@
 Example (the paper's setting):
   python -m amsp_dtensor.plan --model llama_7b --gpus 1024 --gpus-per-node 8 --gpu-mem 80 \
       --seq-len 4096 --micro-batch 1 --global-batch-tokens 4194304 [--bandwidth t.json] [--json]
+With tensor parallelism, torchtitan's 2-D layout (TP inside a node, AMSP over the rest):
+  ... --tp 8        plans of the data-parallel world (gpus / 8 ranks) beside TP degree 8
+  ... --tp auto     every TP degree dividing the node (up to 8) at one global batch: a
+                    (tp, plan) table, then the fastest pair that fits
 Errors (unknown model, conflicting model flags, non-finite or non-positive numbers, impossible
 topologies, nothing fits, bad bandwidth table) print one line naming the flag on stderr and
 exit with status 2.
@@ -18,8 +22,15 @@ import sys
 from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError
 from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
 from amsp_dtensor.plan.cost.nccl import NcclModel
-from amsp_dtensor.plan.cost.planner import NoPlanFits, PlanEstimate, PlanReport, choose_plan
+from amsp_dtensor.plan.cost.planner import (
+    MAX_AUTO_TP,
+    NoPlanFits,
+    PlanEstimate,
+    PlanReport,
+    choose_plan,
+)
 from amsp_dtensor.plan.cost.step import ComputeModel
+from amsp_dtensor.plan.cost.tensor_parallel import check_sequence_parallel
 
 PROG = "python -m amsp_dtensor.plan"
 GiB = 2**30
@@ -39,6 +50,16 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+
+
+def _tp(text: str):
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r} (a TP degree or 'auto')") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NICs per node (default: one per two GPUs, 4 for 8 GPUs)")
     p.add_argument("--nic-gbps", type=_number, default=25.0,
                    help="bandwidth of one NIC, GB/s (default 25: 200 Gb/s HDR)")
+    p.add_argument("--tp", type=_tp, default=1, metavar="N|auto",
+                   help="tensor-parallel degree (torchtitan's tensor_parallel_degree): a "
+                   "divisor of --gpus-per-node; the plans then shard the gpus / N data-"
+                   f"parallel ranks. auto: every such degree up to {MAX_AUTO_TP} at one global "
+                   "batch (--global-batch-tokens, else the batch of --micro-batches at tp 1)")
+    p.add_argument("--disable-loss-parallel", action="store_true",
+                   help="with --tp: gather the logits instead of torchtitan's default "
+                   "loss_parallel (its parallelism.disable_loss_parallel)")
     p.add_argument("--overlap-param-update", action="store_true",
                    help="the post-step all-gather overlaps the next forward "
                    "(AMSPOptimizer(overlap_param_update=True))")
@@ -125,16 +154,36 @@ def _model(args) -> ModelShape:
         raise UsageError(f"{flag}: {exc}") from None
 
 
-def _micro_batches(args) -> int:
+def _micro_batches(args, tp: int = 1) -> int:
     if args.global_batch_tokens is None:
         return args.micro_batches or 1
-    per_step = args.seq_len * args.micro_batch * args.gpus
+    per_step = args.seq_len * args.micro_batch * args.gpus // tp
     if args.global_batch_tokens % per_step:
+        ranks = "gpus" if tp == 1 else f"data-parallel ranks (gpus / tp {tp})"
         raise UsageError(
             f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of seq-len x "
-            f"micro-batch x gpus = {per_step}; change the batch or the micro-batch"
+            f"micro-batch x {ranks} = {per_step}; change the batch or the micro-batch"
         )
     return args.global_batch_tokens // per_step
+
+
+def _check_tp(args, model: ModelShape) -> None:
+    """--tp against the node, the model and the sequence, naming the flags."""
+    if args.tp == "auto":
+        return
+    if args.tp < 1:
+        raise UsageError(f"--tp must be positive or auto, got {args.tp}")
+    if args.gpus_per_node % args.tp:
+        fits = ", ".join(str(d) for d in range(1, args.gpus_per_node + 1)
+                         if args.gpus_per_node % d == 0)
+        raise UsageError(f"--tp {args.tp} does not divide --gpus-per-node "
+                         f"{args.gpus_per_node}: a TP group must sit inside one node; use "
+                         f"one of {fits}")
+    try:
+        model.check_tensor_parallel(args.tp)
+        check_sequence_parallel(args.seq_len, args.tp)
+    except ValueError as exc:
+        raise UsageError(f"--tp {args.tp}: {exc}") from None
 
 
 def _row(e: PlanEstimate, mark: str = " ") -> str:
@@ -169,6 +218,16 @@ def render(report: PlanReport, top: int) -> str:
         f" GiB reserve; compute {s['compute_flops'] / 1e12:g} TFLOP/s of "
         f"{s['peak_flops'] / 1e12:g} peak",
         f"time model: {report.time_model}",
+    ]
+    if report.tp > 1:
+        lines += [
+            f"tensor parallel: tp {report.tp} inside each node (torchtitan's llama3 TP plan, "
+            f"loss_parallel {'on' if s['loss_parallel'] else 'off'});",
+            f"plans and baselines shard the {s['data_parallel_world_size']} data-parallel "
+            f"ranks ({s['ranks_per_node'] // report.tp} per node): ZeRO-3/FSDP = FSDP2 + TP,",
+            "HSDP/MiCS = HSDP + TP; memory is per GPU, of the TP-local shapes",
+        ]
+    lines += [
         "",
         _header(),
     ]
@@ -189,11 +248,37 @@ def render(report: PlanReport, top: int) -> str:
         "wire: bytes one GPU sends (ring factor x buffer); node NICs: bytes leaving one node.",
         "comm sum: collective times added up (no overlap); step: predicted step time with the",
         "engine's overlap; plans within 1% of the fastest step rank by comm sum.",
+        *([f"TP's own collectives (activations, per layer) take "
+           f"{best.tp_comm_seconds * 1e3:.1f} ms of the chosen step,",
+           "on the critical path (in step, not in comm sum)."] if report.tp > 1 else []),
         f"chosen: {best.plan.name}, {best.memory.total / GiB:.2f} GiB/GPU, "
         f"{best.step_seconds * 1e3:.1f} ms/step, MFU {best.step.mfu * 100:.1f}%. For the job TOML:",
         "",
         report.to_toml().rstrip(),
     ]
+    return "\n".join(lines)
+
+
+def render_tp_table(report: PlanReport) -> str:
+    """tp="auto": one row per TP degree, its best plan (or the smallest if none fits)."""
+    lines = [
+        "tensor-parallel degrees at one global batch (* = chosen: the fastest that fits;",
+        "within 1% the smaller degree); memory per GPU in GiB, times per step:",
+        f" {'tp':>3}{'DP ranks':>9}{'M':>4}  {'best plan':<18}{'P':>6}{'G':>6}{'OS':>6}"
+        f"{'total':>7} {'DP comm':>8}{'TP comm':>8}{'step':>9}{'MFU':>6}",
+        f" {'':>3}{'':>9}{'':>4}  {'':<18}{'':>6}{'':>6}{'':>6}{'':>7} {'sum s':>8}"
+        f"{'s':>8}{'s':>9}{'%':>6}",
+    ]
+    for t, r in sorted(report.by_tp.items()):
+        b = r.best
+        m = b.memory
+        mark = "*" if r is report else " "
+        lines.append(
+            f"{mark}{t:>3}{r.settings['data_parallel_world_size']:>9}"
+            f"{r.settings['micro_batches']:>4}  {b.plan.name[:18]:<18}"
+            f"{m.states.param / GiB:6.2f}{m.states.grad / GiB:6.2f}{m.states.optim / GiB:6.2f}"
+            f"{m.total / GiB:7.2f}{'' if b.fits else '!':1}{b.comm_seconds:8.2f}"
+            f"{b.tp_comm_seconds:8.2f}{b.step_seconds:9.2f}{b.step.mfu * 100:6.1f}")
     return "\n".join(lines)
 
 
@@ -226,11 +311,18 @@ def main(argv=None) -> int:
             raise UsageError(f"--nics-per-node {args.nics_per_node} is more than "
                              f"--gpus-per-node {args.gpus_per_node} (one NIC per GPU at most)")
         model = _model(args)
+        _check_tp(args, model)
+        if args.tp == "auto":  # one global batch for every degree
+            batch = {"global_batch_tokens": args.global_batch_tokens or (
+                (args.micro_batches or 1) * args.seq_len * args.micro_batch * args.gpus)}
+        else:
+            batch = {"micro_batches": _micro_batches(args, args.tp)}
         cluster = NcclModel(nvlink_bw=args.nvlink_gbps * 1e9, nic_bw=args.nic_gbps * 1e9,
                             nics_per_node=args.nics_per_node, gpus_per_node=args.gpus_per_node)
         report = choose_plan(
             model, seq_len=args.seq_len, micro_batch=args.micro_batch,
-            micro_batches=_micro_batches(args), world_size=args.gpus,
+            **batch, tp=args.tp, loss_parallel=not args.disable_loss_parallel,
+            world_size=args.gpus,
             ranks_per_node=args.gpus_per_node, memory_budget_bytes=args.gpu_mem * GiB,
             bandwidth=args.bandwidth, mixed_precision=args.precision,
             activation_checkpointing=args.activation_checkpointing, attention=args.attention,
@@ -242,8 +334,9 @@ def main(argv=None) -> int:
         )
     except NoPlanFits as exc:
         sm = exc.smallest
+        tp = f" tp={sm.tp}" if sm.tp > 1 else ""
         print(f"{PROG}: error: {exc}; smallest: param={sm.plan.s_p} grad={sm.plan.s_g} "
-              f"optim={sm.plan.s_os}", file=sys.stderr)
+              f"optim={sm.plan.s_os}{tp}", file=sys.stderr)
         return 2
     except (UsageError, ValueError, TypeError, BandwidthTableError) as exc:
         msg = " ".join(str(exc).split())
@@ -254,6 +347,9 @@ def main(argv=None) -> int:
         out["units"] = {"memory": "bytes", "traffic": "bytes", "time": "seconds"}
         print(json.dumps(out, indent=1))
     else:
+        if report.by_tp:
+            print(render_tp_table(report))
+            print()
         print(render(report, args.top))
     return 0
 

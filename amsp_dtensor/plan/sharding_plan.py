@@ -12,6 +12,13 @@ The paper's constraints on the factors (docs/design.md, "Validity rules"), as ch
   2. a factor either divides R (stays in a node) or is a multiple of R (fills whole nodes);
   3. s_p | s_g | s_os (chain order with nesting, so each OS shard lies inside its P shard);
   4. s_g is s_p or s_os.
+
+With tensor parallelism (TP, degree t; torchtitan's ``tensor_parallel_degree``, Megatron's
+``--tp``) the t ranks of a TP group are consecutive ranks of one node, "tp" being the
+innermost mesh dim as torchtitan builds its mesh: rank = dp_rank * t + tp_rank. The AMSP
+factors then shard over the data-parallel (DP) world only: D = W / t ranks, R / t of them
+per node, and every rule above is checked on (D, R / t) (``data_parallel_world``). "node"
+therefore means R / t DP ranks: a node holds R / t DP ranks per TP rank.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ __all__ = [
     "ResolvedPlan",
     "STRATEGY_NAMES",
     "enumerate_plans",
+    "data_parallel_world",
     "BASELINES",
 ]
 
@@ -94,7 +102,24 @@ class ShardingPlan:
             raise ValueError(f"plan {name!r}: write it as p<s_p>-g<s_g>-os<s_os>, e.g. p2-g2-os4")
         return cls(*(int(x) for x in match.groups()))
 
-    def resolve(self, world_size: int, ranks_per_node: int) -> "ResolvedPlan":
+    def resolve(
+        self, world_size: int, ranks_per_node: int, tensor_parallel_degree: int = 1,
+    ) -> "ResolvedPlan":
+        """The plan with integer factors for this world. With ``tensor_parallel_degree``
+        t > 1 the result describes the data-parallel mesh: its ``world_size`` is W / t and
+        its ``ranks_per_node`` R / t (module docstring); a plan that does not fit that
+        world is refused naming the TP degree."""
+        if tensor_parallel_degree != 1:
+            dp_world, dp_per_node = data_parallel_world(
+                world_size, ranks_per_node, tensor_parallel_degree)
+            try:
+                return self.resolve(dp_world, dp_per_node)
+            except ValueError as exc:
+                raise ValueError(
+                    f"under tensor_parallel_degree={tensor_parallel_degree} the AMSP factors "
+                    f"shard the data-parallel world, {world_size} / {tensor_parallel_degree} = "
+                    f"{dp_world} ranks ({dp_per_node} per node): {exc}"
+                ) from None
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if (
@@ -197,8 +222,45 @@ class ResolvedPlan:
         )
 
 
-def enumerate_plans(world_size: int, ranks_per_node: int) -> list[ResolvedPlan]:
-    """Every valid plan for the world, sorted by (s_p, s_g, s_os)."""
+def data_parallel_world(
+    world_size: int, ranks_per_node: int, tensor_parallel_degree: int,
+) -> tuple[int, int]:
+    """(D, R_dp): the data-parallel world and its ranks per node under TP degree t.
+
+    TP ranks are consecutive ranks of one node (torchtitan puts "tp" innermost), so t must
+    divide the ranks per node; the DP world is then W / t ranks, R / t per node."""
+    t = tensor_parallel_degree
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f"tensor_parallel_degree must be a positive int, got {t!r}")
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
+            or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    if ranks_per_node % t:
+        fits = ", ".join(str(d) for d in _divisors(ranks_per_node))
+        raise ValueError(
+            f"tensor_parallel_degree={t} does not divide ranks_per_node={ranks_per_node}: "
+            f"a TP group must sit inside one node (consecutive ranks, tp innermost); "
+            f"use one of {fits}"
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size % ranks_per_node:
+        raise ValueError(
+            f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
+            "every node must run the same number of ranks"
+        )
+    return world_size // t, ranks_per_node // t
+
+
+def enumerate_plans(
+    world_size: int, ranks_per_node: int, tensor_parallel_degree: int = 1,
+) -> list[ResolvedPlan]:
+    """Every valid plan for the world, sorted by (s_p, s_g, s_os). With
+    ``tensor_parallel_degree`` t > 1: every valid plan of the data-parallel world
+    (W / t ranks, R / t per node)."""
+    if tensor_parallel_degree != 1:
+        return enumerate_plans(*data_parallel_world(world_size, ranks_per_node,
+                                                    tensor_parallel_degree))
     ShardingPlan(1, 1, 1).resolve(world_size, ranks_per_node)  # validates the world
     factors = valid_factors(world_size, ranks_per_node)
     plans = []

@@ -29,6 +29,20 @@ The optimizer step is a second peak, with the activations gone but the synced G,
 step's scratch and the post-step all-gathers alive (``step_bytes``): see that function.
 The estimate is the larger of the two phases.
 
+Tensor parallelism (degree t, torchtitan's llama3 TP plan with sequence parallelism): the
+states are those of the TP-local shapes (models.py). Activations, per micro-batch of T
+tokens on one TP rank (``block_activation_bytes``): the sequence-parallel regions (the
+norms, and the block's input under full checkpointing) hold T/t tokens; the tensors the
+linears save hold whole sequences but only the rank's heads and FFN columns (q, k, v,
+attention output, logsumexp, SwiGLU: divided by t); the inputs of wq/wk/wv, w1/w3 and the
+output head are the all-gathered sequence, e*h per token on every TP rank, so they are
+not divided. With loss_parallel (torchtitan's default) the fp32 log-softmax and the loss
+gradient hold the rank's vocab shard. Checked against autograd's saved tensors on torch's
+fake process group by tests/test_planner_tp.py. The embedding's gradient is computed
+replicated, vocab x dim on every TP rank (DTensor has no Shard(0) rule for
+embedding_dense_backward on this torch), before FSDP2 keeps its local rows: a moment of
+its own at the end of the backward (``temp_bytes``).
+
 Temporary buffers (D_tmp): gathered units (s_p > 1: the unit being computed plus the one
 prefetched, both unsharded e*padded(U, s_p); the unit kept unsharded after forward, the
 root or torchtitan's [norm, output], stays gathered from forward to backward), the
@@ -46,7 +60,7 @@ from dataclasses import asdict, dataclass
 
 from ..sharding_plan import ResolvedPlan
 from .backward_peak import synced_grad_elements, unit_sizes
-from .models import ModelShape
+from .models import ModelShape, tp_chunk
 from .padding import dim0_cols, padded_numel, shard_numel
 
 __all__ = [
@@ -57,6 +71,8 @@ __all__ = [
     "activation_bytes",
     "block_activation_bytes_per_token",
     "root_activation_bytes_per_token",
+    "block_activation_bytes",
+    "root_activation_bytes",
     "temp_bytes",
     "StepBytes",
     "step_bytes",
@@ -168,10 +184,17 @@ def state_bytes_of_rank(
 
 
 def _norm_bytes(h: int, e: int, norm: str) -> int:
+    return _norm_own_bytes(h, e, norm) + e * h
+
+
+def _norm_own_bytes(h: int, e: int, norm: str) -> int:
+    """What a norm saves itself, per token: composite fp32 input copy, fp32 normalised x
+    and rstd; fused the input and rstd. (Its e-byte output is saved by the linears after
+    it, counted with them: under TP that is the all-gathered sequence.)"""
     if norm == "composite":
-        return 4 * h + 4 * h + 4 + e * h
+        return 4 * h + 4 * h + 4
     if norm == "fused":
-        return e * h + 4 + e * h
+        return e * h + 4
     raise ValueError(f"norm={norm!r}; use 'composite' (eager) or 'fused'")
 
 
@@ -194,36 +217,83 @@ def root_activation_bytes_per_token(model: ModelShape, e: int, norm: str = "comp
     return 8 + _norm_bytes(model.dim, e, norm) + 4 * model.vocab_size + 8
 
 
+def block_activation_bytes(
+    model: ModelShape, seq_len: int, micro_batch: int, e: int, attention: str = "flash",
+    norm: str = "composite", tp: int = 1,
+) -> int:
+    """Bytes autograd saves in one block for one micro-batch on one TP rank: with tp = 1,
+    tokens x block_activation_bytes_per_token; with tp > 1 the norms' own tensors on T/t
+    tokens, the gathered inputs of the attention and FFN linears (e*h each) on all T, the
+    rest with the rank's heads and FFN columns (module docstring)."""
+    tokens = seq_len * micro_batch
+    if tp == 1:
+        return tokens * block_activation_bytes_per_token(model, seq_len, e, attention, norm)
+    model.check_tensor_parallel(tp)
+    h, a = model.dim, model.n_heads // tp
+    hq, hkv = a * model.head_dim, model.kv_heads // tp * model.head_dim
+    f = tp_chunk(model.ffn_hidden, tp)
+    attn = e * hq + 2 * e * hkv + e * hq + 4 * a
+    if attention == "math":
+        attn += 2 * e * a * seq_len
+    elif attention != "flash":
+        raise ValueError(f"attention={attention!r}; use 'flash' (SDPA flash/efficient) or 'math'")
+    sequence_shard = tokens // tp
+    return (sequence_shard * 2 * _norm_own_bytes(h, e, norm)
+            + tokens * (2 * e * h + attn + 4 * e * f))
+
+
+def root_activation_bytes(
+    model: ModelShape, seq_len: int, micro_batch: int, e: int, norm: str = "composite",
+    tp: int = 1, loss_parallel: bool = True,
+) -> int:
+    """The root's saved activations for one micro-batch on one TP rank: token ids, the
+    final norm (on T/t tokens under TP), its gathered output (saved by the output head),
+    the fp32 log-softmax (the rank's vocab shard with loss_parallel), labels."""
+    tokens = seq_len * micro_batch
+    if tp == 1:
+        return tokens * root_activation_bytes_per_token(model, e, norm)
+    vocab = tp_chunk(model.vocab_size, tp) if loss_parallel else model.vocab_size
+    return (tokens * (8 + e * model.dim + 4 * vocab + 8)
+            + tokens // tp * _norm_own_bytes(model.dim, e, norm))
+
+
 def activation_bytes(
     model: ModelShape, seq_len: int, micro_batch: int, mixed_precision: str = "bf16",
     activation_checkpointing: str = "none", attention: str = "flash", norm: str = "composite",
+    tp: int = 1, loss_parallel: bool = True,
 ) -> int:
-    """Saved activations of one micro-batch at the start of its backward."""
+    """Saved activations of one micro-batch at the start of its backward (one TP rank)."""
     e = _dtype_bytes(mixed_precision)
-    tokens = seq_len * micro_batch
-    root = root_activation_bytes_per_token(model, e, norm)
+    root = root_activation_bytes(model, seq_len, micro_batch, e, norm, tp, loss_parallel)
     if activation_checkpointing == "none":
-        block = block_activation_bytes_per_token(model, seq_len, e, attention, norm)
-        return tokens * (model.n_layers * block + root)
+        block = block_activation_bytes(model, seq_len, micro_batch, e, attention, norm, tp)
+        return model.n_layers * block + root
     if activation_checkpointing == "full":
-        return tokens * (model.n_layers * e * model.dim + root)
+        # each block's input: a sequence shard under TP (the residual stream is Shard(1))
+        return model.n_layers * _checkpointed_input(model, seq_len, micro_batch, e, tp) + root
     raise ValueError(
         f"activation_checkpointing={activation_checkpointing!r}; use 'none' or 'full'"
     )
+
+
+def _checkpointed_input(model: ModelShape, seq_len: int, micro_batch: int, e: int,
+                        tp: int) -> int:
+    return seq_len * micro_batch // tp * e * model.dim
 
 
 def temp_bytes(
     model: ModelShape, plan: ResolvedPlan, seq_len: int, micro_batch: int,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
-    reduce_dtype: str | None = None,
+    reduce_dtype: str | None = None, tp: int = 1, loss_parallel: bool = True,
 ) -> int:
     """Peak temporary buffers in backward, net of the activations already freed at that
     moment (so states + activations + temp is the backward's peak): the largest of the
-    moments in the Note below."""
+    moments in the Note below. tp: the TP degree (plan is then the data-parallel plan and
+    every unit holds its TP-local shapes)."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
-    units = model.unit_param_shapes()
+    units = model.unit_param_shapes(tp)
     # the unit kept unsharded after forward: the root ("blocks") or [norm, output]
     # ("titan"); every other unit is gathered for its compute and resharded after
     root = units[model.root_unit_index]
@@ -256,37 +326,62 @@ def temp_bytes(
         sizes = unit_sizes(unit, plan)
         return r * (sizes.os_packed + sizes.os) if plan.s_g == plan.s_p < plan.s_os else 0
 
-    recompute = 0
-    if activation_checkpointing == "full":
-        recompute = tokens * block_activation_bytes_per_token(model, seq_len, e, attention, norm)
+    def block_acts() -> int:
+        return block_activation_bytes(model, seq_len, micro_batch, e, attention, norm, tp)
+
+    recompute = block_acts() if activation_checkpointing == "full" else 0
+    acts = activation_bytes(model, seq_len, micro_batch, mixed_precision,
+                            activation_checkpointing, attention, norm, tp, loss_parallel)
+    # 5. (tp > 1) the embedding's backward, the last of all: its gradient is computed
+    # replicated, vocab x dim on every TP rank, before FSDP2 or the engine keeps the
+    # local rows; every activation is freed by then
+    replicated_emb = 0
+    if tp > 1:
+        replicated_emb = e * model.vocab_size * model.dim
     # 1. the output head's backward (with s_p = 1, also the syncing hooks: moment 2)
     unit_grads = e * big_unit  # unsharded grads of the unit in backward
     if r != e:
         unit_grads += r * big_unit  # FSDP2 casts them to reduce_dtype for the reduce-scatter
-    loss_grad = tokens * (4 + e) * model.vocab_size
+    vocab = tp_chunk(model.vocab_size, tp) if loss_parallel else model.vocab_size
+    loss_grad = tokens * (4 + e) * vocab
     head = gathered + unit_grads + hook(biggest) + loss_grad + recompute
     if plan.s_p == 1:
-        return head + os_sync(biggest)
+        if tp == 1:
+            return head + os_sync(biggest)
+        # with s_p = 1 the params are whole (counted in P): the embedding's hook holds its
+        # replicated gradient beside its flat copy
+        emb_unit = units[0] if model.layout == "titan" else root
+        embedding = replicated_emb + hook(emb_unit) + os_sync(emb_unit) - acts
+        return max(head + os_sync(biggest), embedding)
     # 3. FSDP2 (s_p > 1): a later unit's backward and its hook, then the root's own
     # post-backward at the very end (moments 3 and 4 of the Note)
     root_numel, block_numel = padded_numel(root, plan.s_p), padded_numel(block, plan.s_p)
-    freed = tokens * root_activation_bytes_per_token(model, e, norm)
+    freed = root_activation_bytes(model, seq_len, micro_batch, e, norm, tp, loss_parallel)
     if activation_checkpointing == "full":
-        freed += tokens * e * model.dim  # the last block's checkpointed input
+        freed += _checkpointed_input(model, seq_len, micro_batch, e, tp)  # last block's input
     else:
-        freed += tokens * block_activation_bytes_per_token(model, seq_len, e, attention, norm)
+        freed += block_acts()
     later = gathered + e * root_numel + r * block_numel + hook(block) + recompute - freed
     compute = later + e * block_numel  # this unit's unsharded grads, as they are produced
     at_hook = later + os_sync(block)  # FSDP2 freed them once copied into its input
-    acts = activation_bytes(model, seq_len, micro_batch, mixed_precision,
-                            activation_checkpointing, attention, norm)
     final = e * root_numel + (e + r) * root_numel + hook(root) + os_sync(root) - acts
-    return max(head, compute, at_hook, final)
+    moments = [head, compute, at_hook, final]
+    if tp > 1:
+        emb_unit = units[0] if model.layout == "titan" else root
+        emb_local = padded_numel([emb_unit[0]], plan.s_p)
+        if model.layout == "titan":
+            # [norm, output] gathered and its grads kept to the end; the embeddings
+            # gathered, its reduce-scatter input and hook beside the replicated gradient
+            moments.append(2 * e * root_numel + e * emb_local + replicated_emb
+                           + r * emb_local + hook(emb_unit) + os_sync(emb_unit) - acts)
+        else:  # the root's post-backward (moment 4) with the replicated gradient alive
+            moments.append(final + replicated_emb - e * emb_local)
+    return max(moments)
 
 
 # [Note: the backward's peak moments] The sum of every buffer's own maximum overstates the
 # peak, and FSDP2 holds two buffers the engine never sees, so temp_bytes takes the largest
-# of four moments (on top of the states and all the saved activations):
+# of four moments, five under TP (on top of the states and all the saved activations):
 # 1. The output head's backward: the loss gradient (fp32 and e-byte copies of the logits'
 #    gradient), the gathered units, the largest unit's unsharded grads (and their
 #    reduce-dtype copy), the engine's hook input and, with s_g > s_p, the packed copy and
@@ -305,6 +400,12 @@ def temp_bytes(
 # 4. With s_p > 1, the root's post-backward at the end: its gathered params, unsharded
 #    grads and reduce-scatter input, with every activation freed (it matters only when
 #    the root is large against the activations: a big vocabulary, full checkpointing).
+# 5. With tensor parallelism, the embedding's backward, the last of all: DTensor computes
+#    the gradient of the RowwiseParallel embedding replicated (vocab x dim on every TP
+#    rank; embedding_dense_backward has no Shard(0) rule on this torch) and FSDP2, or the
+#    engine's hook with s_p = 1, takes this rank's rows from it: so beside moment 4's
+#    buffers (or the hook's, with s_p = 1) the whole vocab x dim gradient is alive once,
+#    with every activation freed.
 # Measured on the debug model (tools/bench_frontier.py, per-op samples of a steady-state
 # step, 25 plans at 2x2 and 4x2): within -1.6..+1.0 MB of the measured peaks, where the
 # upper-bound sum was -1.6..+3.5 MB. The peak-per-rank samples include gloo's buffers,
@@ -337,6 +438,7 @@ class StepBytes:
 def step_bytes(
     model: ModelShape, plan: ResolvedPlan, mixed_precision: str = "bf16",
     reduce_dtype: str | None = None, clip: bool = False, backend: str = "nccl",
+    tp: int = 1,
 ) -> StepBytes:
     """What one rank holds beyond P and OS at the peak of the optimizer step.
 
@@ -356,7 +458,7 @@ def step_bytes(
         raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
-    sizes = [unit_sizes(shapes, plan) for shapes in model.unit_param_shapes()]
+    sizes = [unit_sizes(shapes, plan) for shapes in model.unit_param_shapes(tp)]
     k_os = plan.s_os // plan.s_p
     synced_g = r * sum(synced_grad_elements(s, plan) for s in sizes)
     sends = [e * (1 + k_os) * s.os if k_os > 1 else 0 for s in sizes]
@@ -418,7 +520,7 @@ def estimate_memory(
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
-    backend: str = "nccl",
+    backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
@@ -427,15 +529,17 @@ def estimate_memory(
     (MixedPrecisionPolicy.reduce_dtype); None = the param dtype. reserve_bytes: memory the
     process holds outside tensors (CUDA context, NCCL buffers, allocator slack). clip:
     clip_grad_norm_ runs before the step (every master grad is built first). backend:
-    the process group's ("gloo" stages all-gather outputs, see step_bytes)."""
+    the process group's ("gloo" stages all-gather outputs, see step_bytes). tp: the
+    tensor-parallel degree (plan is then the data-parallel plan: states of the TP-local
+    shapes, activations of one TP rank); loss_parallel: torchtitan's default with TP."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
-    states = state_bytes(model.unit_param_shapes(), plan.s_p, plan.s_g, plan.s_os, e,
+    states = state_bytes(model.unit_param_shapes(tp), plan.s_p, plan.s_g, plan.s_os, e,
                          grad_dtype_bytes=r)
     act = activation_bytes(model, seq_len, micro_batch, mixed_precision,
-                           activation_checkpointing, attention, norm)
+                           activation_checkpointing, attention, norm, tp, loss_parallel)
     tmp = temp_bytes(model, plan, seq_len, micro_batch, mixed_precision,
                      activation_checkpointing, attention, norm, reshard_after_forward,
-                     reduce_dtype)
-    step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend)
+                     reduce_dtype, tp, loss_parallel)
+    step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp)
     return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total)

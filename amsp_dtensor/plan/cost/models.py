@@ -12,6 +12,13 @@ w1/w3 [ffn, dim], w2 [dim, ffn], attention_norm/ffn_norm [dim]; root tok_embeddi
 ``torchtitan.models.llama3.llama3_args`` (tests/test_cost_models.py checks them against the
 installed torchtitan source); the paper's LLaMA-7B/13B/30B are LLaMA-1 shapes in the same
 architecture (ffn given explicitly, vocab 32000).
+
+Tensor parallelism: with TP degree t every rank holds the TP-local part of each parameter,
+and the AMSP factors shard that part (FSDP2 chunks a TP DTensor's local tensor on dim 0).
+``TP_SHARD_DIM`` states torchtitan 0.2.2's llama3 TP plan (``apply_tp`` in
+torchtitan/models/llama3/infra/parallelize.py) per parameter; ``units(tp)`` and
+``unit_param_shapes(tp)`` give the local shapes. tests/test_planner_tp.py checks them
+against the shapes DTensor gives after torchtitan's own ``apply_tp``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,43 @@ __all__ = [
     "get_model",
     "llama3_ffn_hidden",
     "from_torchtitan_args",
+    "TP_SHARD_DIM",
+    "tp_chunk",
 ]
+
+# torchtitan 0.2.2 apply_tp, per parameter: the tensor dim TP shards (None: replicated).
+#   tok_embeddings  RowwiseParallel on nn.Embedding: the weight [vocab, dim] is Shard(0)
+#                   (torch's RowwiseParallel._partition_embedding_fn), vocab rows split
+#   wq, wk, wv      ColwiseParallel: Shard(0) of [out, in], i.e. whole heads per rank
+#   wo              RowwiseParallel on nn.Linear: Shard(1) of [dim, n_heads*hd]
+#   w1, w3 / w2     ColwiseParallel Shard(0) / RowwiseParallel Shard(1)
+#   attention_norm, ffn_norm, norm
+#                   SequenceParallel: the weight is Replicate (whole on every TP rank);
+#                   the norm runs on a sequence shard, so its gradient comes out
+#                   Partial(sum) and is all-reduced over TP (tensor_parallel.py)
+#   output          ColwiseParallel: Shard(0) of [vocab, dim] (logits sharded on vocab,
+#                   for loss_parallel)
+TP_SHARD_DIM: dict[str, int | None] = {
+    "tok_embeddings.weight": 0,
+    "attention.wq.weight": 0,
+    "attention.wk.weight": 0,
+    "attention.wv.weight": 0,
+    "attention.wo.weight": 1,
+    "feed_forward.w1.weight": 0,
+    "feed_forward.w2.weight": 1,
+    "feed_forward.w3.weight": 0,
+    "attention_norm.weight": None,
+    "ffn_norm.weight": None,
+    "norm.weight": None,
+    "output.weight": 0,
+}
+
+
+def tp_chunk(n: int, tp: int) -> int:
+    """Length of TP rank 0's chunk of a dim of n over tp ranks (DTensor's Shard splits
+    torch.chunk style: ceil(n/tp), the last ranks shorter): the largest, so the worst
+    rank's bytes."""
+    return -(-n // tp)
 
 
 @dataclass(frozen=True)
@@ -48,6 +91,19 @@ class ParamShape:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def tp_local(self, tp: int) -> "ParamShape":
+        """The shape TP rank 0 holds under torchtitan's TP plan (TP_SHARD_DIM)."""
+        if tp == 1:
+            return self
+        if self.name not in TP_SHARD_DIM:
+            raise ValueError(f"no tensor-parallel style known for parameter {self.name!r}")
+        dim = TP_SHARD_DIM[self.name]
+        if dim is None:
+            return self
+        shape = list(self.shape)
+        shape[dim] = tp_chunk(shape[dim], tp)
+        return ParamShape(self.name, tuple(shape))
 
 
 def llama3_ffn_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -100,10 +156,10 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def block_params(self) -> list[ParamShape]:
-        """One transformer block, in named_parameters() order."""
+    def block_params(self, tp: int = 1) -> list[ParamShape]:
+        """One transformer block, in named_parameters() order (TP-local with tp > 1)."""
         d, hd, f = self.dim, self.head_dim, self.ffn_hidden
-        return [
+        return [p.tp_local(tp) for p in (
             ParamShape("attention.wq.weight", (self.n_heads * hd, d)),
             ParamShape("attention.wk.weight", (self.kv_heads * hd, d)),
             ParamShape("attention.wv.weight", (self.kv_heads * hd, d)),
@@ -113,29 +169,42 @@ class ModelShape:
             ParamShape("feed_forward.w3.weight", (f, d)),
             ParamShape("attention_norm.weight", (d,)),
             ParamShape("ffn_norm.weight", (d,)),
-        ]
+        )]
 
-    def root_params(self) -> list[ParamShape]:
-        """Parameters left to the root unit (not inside any block)."""
-        return [
+    def root_params(self, tp: int = 1) -> list[ParamShape]:
+        """Parameters left to the root unit (not inside any block; TP-local with tp > 1)."""
+        return [p.tp_local(tp) for p in (
             ParamShape("tok_embeddings.weight", (self.vocab_size, self.dim)),
             ParamShape("norm.weight", (self.dim,)),
             ParamShape("output.weight", (self.vocab_size, self.dim)),
-        ]
+        )]
 
-    def units(self) -> list[list[ParamShape]]:
+    def units(self, tp: int = 1) -> list[list[ParamShape]]:
         """FSDP units in wrap order. "blocks": block 0 .. block L-1, then the root (index
-        L); "titan": the embeddings, block 0 .. L-1, then [norm, output] (index L + 1)."""
-        block = self.block_params()
+        L); "titan": the embeddings, block 0 .. L-1, then [norm, output] (index L + 1).
+        With tp > 1 every shape is what TP rank 0 holds (TP_SHARD_DIM)."""
+        self.check_tensor_parallel(tp)
+        block = self.block_params(tp)
         blocks = [list(block) for _ in range(self.n_layers)]
         if self.layout == "titan":
-            embeddings, norm, output = self.root_params()
+            embeddings, norm, output = self.root_params(tp)
             return [[embeddings], *blocks, [norm, output]]
-        return blocks + [self.root_params()]
+        return blocks + [self.root_params(tp)]
 
-    def unit_param_shapes(self) -> list[list[tuple[int, ...]]]:
+    def unit_param_shapes(self, tp: int = 1) -> list[list[tuple[int, ...]]]:
         """Same as units() but bare shapes: the format predicted_events() takes."""
-        return [[p.shape for p in unit] for unit in self.units()]
+        return [[p.shape for p in unit] for unit in self.units(tp)]
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a TP degree torchtitan's plan cannot split this model by: each TP rank
+        must hold whole attention heads (torchtitan views q, k, v as (-1, head_dim))."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_degree must be a positive int, got {tp!r}")
+        if self.kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_degree={tp} does not divide model {self.name}'s "
+                f"n_kv_heads={self.kv_heads}: every TP rank needs whole KV heads; use a "
+                f"divisor of {self.kv_heads}")
 
     @property
     def root_unit_index(self) -> int:

@@ -8,6 +8,12 @@ by NCCL's tuning model (cost/nccl.py) or a measured table (cost/bandwidth.py); t
 no-overlap sum of collective times stays as a column. Baseline systems (DDP, ZeRO-1/2/3,
 HSDP/MiCS, ZeRO++ hpZ) are costed in the same model so their numbers sit beside the
 chosen plan.
+
+Tensor parallelism (``tp``, torchtitan's tensor_parallel_degree): a plan is then a
+data-parallel plan over W / t ranks (sharding_plan.data_parallel_world), costed on the
+TP-local parameter shapes, with TP's own collectives on the critical path
+(cost/tensor_parallel.py). ``tp="auto"`` costs every TP degree that divides the node (up
+to 8) at one global batch and keeps the fastest (tp, plan) that fits.
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
-from ..sharding_plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
+from ..sharding_plan import (
+    BASELINES,
+    ResolvedPlan,
+    ShardingPlan,
+    data_parallel_world,
+    enumerate_plans,
+)
 from .bandwidth import BandwidthTable, load_table
 from .comm import (
     AlphaBeta,
@@ -32,6 +44,7 @@ from .models import ModelShape, from_torchtitan_args, get_model
 from .nccl import NcclModel, node_nic_bytes, wire_bytes
 from .padding import shard_numel
 from .step import ComputeModel, StepTime, step_time
+from .tensor_parallel import check_sequence_parallel, tp_events, tp_seconds_per_micro_batch
 
 __all__ = [
     "PlanEstimate",
@@ -42,6 +55,8 @@ __all__ = [
     "auto_plan",
     "plan",
     "BASELINE_LABELS",
+    "MAX_AUTO_TP",
+    "tp_degrees",
 ]
 
 BASELINE_LABELS = {
@@ -60,9 +75,10 @@ class NoPlanFits(ValueError):
     def __init__(self, budget: int, smallest: "PlanEstimate"):
         self.budget = budget
         self.smallest = smallest
+        where = (f" at tensor_parallel_degree={smallest.tp}" if smallest.tp > 1 else "")
         super().__init__(
             f"no plan fits in {budget / 2**30:.2f} GiB per rank; the smallest-memory plan "
-            f"{smallest.plan.name} needs {smallest.memory.total / 2**30:.2f} GiB "
+            f"{smallest.plan.name}{where} needs {smallest.memory.total / 2**30:.2f} GiB "
             "(raise the memory, use activation checkpointing, or shrink the micro-batch)"
         )
 
@@ -78,10 +94,17 @@ class PlanEstimate:
     fits: bool
     reshard_after_forward: Union[bool, int] = True
     step: StepTime | None = None
+    tp: int = 1  # tensor-parallel degree; `plan` is then the data-parallel plan
+    tp_events: list[PlannedComm] = field(default_factory=list)  # TP's collectives
 
     @property
     def step_seconds(self) -> float:
         return self.step.seconds if self.step is not None else self.comm_seconds
+
+    @property
+    def tp_comm_seconds(self) -> float:
+        """TP's collectives per step, on the critical path (in step_seconds)."""
+        return self.step.tp_comm_seconds if self.step is not None else 0.0
 
     @property
     def bytes_intra(self) -> int:
@@ -107,8 +130,9 @@ class PlanEstimate:
 
     @property
     def node_nic_bytes(self) -> float:
-        """Bytes leaving one node through its NICs per step (all its ranks together)."""
-        R = self.plan.ranks_per_node
+        """Bytes leaving one node through its NICs per step (all its ranks together:
+        under TP each of the t TP ranks runs its own data-parallel groups)."""
+        R = self.plan.ranks_per_node * self.tp
         return sum(e.count * node_nic_bytes(e.op, e.nbytes, e.group, R) for e in self.events)
 
     def as_dict(self) -> dict:
@@ -116,6 +140,7 @@ class PlanEstimate:
             "label": self.label,
             "plan": {"param": self.plan.s_p, "grad": self.plan.s_g, "optim": self.plan.s_os},
             "name": self.plan.name,
+            "tensor_parallel_degree": self.tp,
             "reshard_after_forward": self.reshard_after_forward,
             "memory_bytes": self.memory.as_dict(),
             "bytes_intra": self.bytes_intra,
@@ -125,6 +150,7 @@ class PlanEstimate:
             "node_nic_bytes": self.node_nic_bytes,
             "comm_seconds": self.comm_seconds,
             "step_seconds": self.step_seconds,
+            "tp_comm_seconds": self.tp_comm_seconds,
             "step": self.step.as_dict() if self.step is not None else None,
             "breakdown_seconds": self.breakdown,
             "fits": self.fits,
@@ -138,6 +164,9 @@ class PlanReport:
     candidates: list[PlanEstimate]  # fitting plans first, fastest first
     baselines: dict[str, PlanEstimate] = field(default_factory=dict)
     time_model: str = "nccl"
+    tp: int = 1  # tensor-parallel degree of every candidate
+    # tp="auto": the report of every TP degree costed, by degree (this one among them)
+    by_tp: dict[int, "PlanReport"] = field(default_factory=dict)
 
     @property
     def best(self) -> PlanEstimate:
@@ -145,27 +174,43 @@ class PlanReport:
 
     @property
     def plan(self) -> ResolvedPlan:
-        """The chosen plan (what the torchtitan bridge reads)."""
+        """The chosen plan (what the torchtitan bridge reads): with tp > 1, the plan of
+        the data-parallel world (W / tp ranks, R / tp per node)."""
         return self.best.plan
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        return self.tp
 
     @property
     def sharding_plan(self) -> ShardingPlan:
         return self.best.plan.as_plan()
 
     def to_toml(self) -> str:
-        return self.best.plan.to_toml()
+        toml = self.best.plan.to_toml()
+        if self.tp > 1:  # torchtitan's key for the TP degree
+            toml = f"[parallelism]\ntensor_parallel_degree = {self.tp}\n\n{toml}"
+        return toml
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "model": self.model.name,
             "num_params": self.model.num_params,
             "settings": self.settings,
             "time_model": self.time_model,
+            "tensor_parallel_degree": self.tp,
             "chosen": self.best.as_dict(),
             "toml": self.to_toml(),
             "candidates": [c.as_dict() for c in self.candidates],
             "baselines": {k: v.as_dict() for k, v in self.baselines.items()},
         }
+        if self.by_tp:
+            out["by_tp"] = {str(t): {"chosen": r.best.as_dict(),
+                                     "settings": r.settings,
+                                     "baselines": {k: v.as_dict()
+                                                   for k, v in r.baselines.items()}}
+                            for t, r in self.by_tp.items()}
+        return out
 
 
 def _model_shape(model) -> ModelShape:
@@ -220,23 +265,31 @@ def estimate_plan(
     clip: bool = True, label: str | None = None, norm: str = "composite",
     reduce_dtype: str | None = None, reserve_bytes: int = 0,
     compute: ComputeModel | None = None, overlap_param_update: bool = False,
-    backend: str = "nccl",
+    backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
 ) -> PlanEstimate:
-    """Memory, step communication and step time of one plan."""
+    """Memory, step communication and step time of one plan. tp > 1: `plan` is the
+    data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
+    collective is of the TP-local shapes, and TP's collectives join the step."""
     mem = estimate_memory(model, plan, seq_len, micro_batch, mixed_precision,
                           activation_checkpointing, attention, norm=norm,
                           reshard_after_forward=reshard_after_forward,
                           reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
-                          clip=clip, backend=backend)
-    events = predicted_events(plan, model.unit_param_shapes(), micro_batches,
+                          clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel)
+    shapes = model.unit_param_shapes(tp)
+    events = predicted_events(plan, shapes, micro_batches,
                               DTYPE_BYTES[mixed_precision], model.root_unit_index,
                               reshard_after_forward=reshard_after_forward, clip=clip,
                               reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
-    os_numel = shard_numel([sh for unit in model.unit_param_shapes() for sh in unit], plan.s_os)
+    tp_comms = tp_events(model, tp, seq_len=seq_len, micro_batch=micro_batch,
+                         micro_batches=micro_batches, dtype_bytes=DTYPE_BYTES[mixed_precision],
+                         activation_checkpointing=activation_checkpointing,
+                         loss_parallel=loss_parallel, clip=clip)
+    os_numel = shard_numel([sh for unit in shapes for sh in unit], plan.s_os)
     st = step_time(model, events, time_model, seq_len=seq_len, micro_batch=micro_batch,
                    micro_batches=micro_batches, os_numel=os_numel, compute=compute,
                    activation_checkpointing=activation_checkpointing,
-                   overlap_param_update=overlap_param_update)
+                   overlap_param_update=overlap_param_update, tp=tp,
+                   tp_seconds=tp_seconds_per_micro_batch(tp_comms, time_model, micro_batches))
     return PlanEstimate(
         label=label or plan.name,
         plan=plan,
@@ -247,6 +300,8 @@ def estimate_plan(
         fits=mem.total <= memory_budget_bytes,
         reshard_after_forward=reshard_after_forward,
         step=st,
+        tp=tp,
+        tp_events=tp_comms,
     )
 
 
@@ -269,20 +324,23 @@ def _rank(estimates, rank_by: str = "step") -> list[PlanEstimate]:
 
 
 def choose_plan(
-    model, *, seq_len: int, micro_batch: int, micro_batches: int, world_size: int,
-    ranks_per_node: int, memory_budget_bytes: float, bandwidth=None,
+    model, *, seq_len: int, micro_batch: int, micro_batches: int | None = None,
+    world_size: int, ranks_per_node: int, memory_budget_bytes: float, bandwidth=None,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", clip: bool = True, include_baselines: bool = True,
     require_fit: bool = True, norm: str = "composite", reduce_dtype: str | None = None,
     reserve_bytes: int = 0, compute: ComputeModel | None = None,
     overlap_param_update: bool = False, cluster: NcclModel | None = None,
-    rank_by: str = "step", backend: str = "nccl",
+    rank_by: str = "step", backend: str = "nccl", tp: Union[int, str] = 1,
+    global_batch_tokens: int | None = None, loss_parallel: bool = True,
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
     model: a name from cost.models.MODELS (torchtitan flavor names accepted), a ModelShape,
       or a torchtitan TransformerModelArgs.
-    micro_batches: gradient-accumulation steps per optimizer step (M).
+    micro_batches: gradient-accumulation steps per optimizer step (M), per data-parallel
+      rank; or give global_batch_tokens (tokens per optimizer step over the whole job):
+      M = global_batch_tokens / (seq_len x micro_batch x data-parallel ranks).
     memory_budget_bytes: per rank. bandwidth: None (NCCL's tuning model on `cluster`, the
       paper's cluster by default), a profile JSON path (measured where it has data), or a
       time model. reserve_bytes: memory outside tensors, added to every plan's total.
@@ -293,14 +351,111 @@ def choose_plan(
     rank_by: "step" (predicted step time with overlap; within 1% by comm sum) or "comm"
       (the no-overlap communication sum alone, e.g. for a CPU run whose compute rate is
       not the GPU default).
+    tp: tensor-parallel degree (torchtitan's tensor_parallel_degree), a divisor of
+      ranks_per_node; the plans are then those of the data-parallel world (W / tp ranks,
+      R / tp per node). "auto": every degree of tp_degrees() at one global batch (needs
+      global_batch_tokens); the fastest (tp, plan) that fits, ties (within 1%) going to
+      the smaller degree; the report's by_tp holds every degree's report.
+    loss_parallel: torchtitan's default with TP (parallelism.disable_loss_parallel=False).
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
-    Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .to_toml(), .as_dict().
+    Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
     shape = _model_shape(model)
+    args = dict(seq_len=seq_len, micro_batch=micro_batch, world_size=world_size,
+                ranks_per_node=ranks_per_node, memory_budget_bytes=memory_budget_bytes,
+                bandwidth=bandwidth, mixed_precision=mixed_precision,
+                activation_checkpointing=activation_checkpointing, attention=attention,
+                clip=clip, include_baselines=include_baselines, require_fit=require_fit,
+                norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
+                compute=compute, overlap_param_update=overlap_param_update, cluster=cluster,
+                rank_by=rank_by, backend=backend, loss_parallel=loss_parallel)
+    if tp == "auto":
+        if micro_batches is not None or global_batch_tokens is None:
+            raise ValueError(
+                "tp='auto' compares TP degrees at one global batch: pass "
+                "global_batch_tokens= (micro_batches is per data-parallel rank, so it "
+                "changes with the TP degree)")
+        return _choose_tp(shape, global_batch_tokens, args)
+    return _choose_plan(shape, micro_batches=micro_batches,
+                        global_batch_tokens=global_batch_tokens, tp=tp, **args)
+
+
+# torchtitan's 2-D recipes use up to one node's 8 GPUs per TP group (tensor_parallel_degree
+# = 8 in its 70B and 405B TOMLs); beyond a node TP's per-layer collectives would cross
+# the network.
+MAX_AUTO_TP = 8
+
+
+def tp_degrees(model: ModelShape, ranks_per_node: int, seq_len: int) -> list[int]:
+    """The TP degrees tp="auto" tries: divisors of the node up to MAX_AUTO_TP that
+    torchtitan can split this model and sequence by."""
+    out = []
+    for t in range(1, min(ranks_per_node, MAX_AUTO_TP) + 1):
+        if ranks_per_node % t or model.kv_heads % t or (t > 1 and seq_len % (2 * t)):
+            continue
+        out.append(t)
+    return out
+
+
+def _choose_tp(shape: ModelShape, global_batch_tokens: int, args: dict) -> PlanReport:
+    require_fit = args.pop("require_fit")
+    reports: dict[int, PlanReport] = {}
+    for t in tp_degrees(shape, args["ranks_per_node"], args["seq_len"]):
+        dp_world = args["world_size"] // t
+        if global_batch_tokens % (args["seq_len"] * args["micro_batch"] * dp_world):
+            continue  # this batch does not split evenly over the DP ranks at this degree
+        reports[t] = _choose_plan(shape, micro_batches=None, tp=t,
+                                  global_batch_tokens=global_batch_tokens,
+                                  require_fit=False, **args)
+    if not reports:
+        raise ValueError(
+            f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_len x "
+            "micro_batch x data-parallel ranks at any TP degree tried; change the batch")
+    fitting = {t: r for t, r in reports.items() if r.best.fits}
+    if not fitting:
+        if require_fit:
+            smallest = min((c for r in reports.values() for c in r.candidates),
+                           key=lambda c: c.memory.total)
+            raise NoPlanFits(int(args["memory_budget_bytes"]), smallest)
+        fitting = reports
+    fastest = min(r.best.step_seconds for r in fitting.values())
+    # ties for the model (STEP_TIME_TIE) go to the smaller degree: fewer collectives on
+    # the critical path if the model is optimistic about them
+    chosen = min(t for t, r in fitting.items()
+                 if r.best.step_seconds <= fastest * (1 + STEP_TIME_TIE))
+    report = reports[chosen]
+    report.by_tp = reports
+    return report
+
+
+def _choose_plan(
+    shape: ModelShape, *, seq_len: int, micro_batch: int, micro_batches: int | None,
+    world_size: int, ranks_per_node: int, memory_budget_bytes: float, bandwidth,
+    mixed_precision: str, activation_checkpointing: str, attention: str, clip: bool,
+    include_baselines: bool, require_fit: bool, norm: str, reduce_dtype: str | None,
+    reserve_bytes: int, compute: ComputeModel | None, overlap_param_update: bool,
+    cluster: NcclModel | None, rank_by: str, backend: str, tp: int,
+    global_batch_tokens: int | None, loss_parallel: bool,
+) -> PlanReport:
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
-                        ("micro_batches", micro_batches), ("world_size", world_size),
-                        ("ranks_per_node", ranks_per_node)):
+                        ("world_size", world_size), ("ranks_per_node", ranks_per_node)):
         _positive(name, value)
+    dp_world, dp_per_node = data_parallel_world(world_size, ranks_per_node, tp)
+    shape.check_tensor_parallel(tp)
+    check_sequence_parallel(seq_len, tp)
+    if (micro_batches is None) == (global_batch_tokens is None):
+        raise ValueError("give one of micro_batches (per data-parallel rank) and "
+                         "global_batch_tokens")
+    if global_batch_tokens is not None:
+        _positive("global_batch_tokens", global_batch_tokens)
+        per_step = seq_len * micro_batch * dp_world
+        if global_batch_tokens % per_step:
+            raise ValueError(
+                f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_len x "
+                f"micro_batch x data-parallel ranks = {per_step} (tensor_parallel_degree="
+                f"{tp}); change the batch or the micro-batch")
+        micro_batches = global_batch_tokens // per_step
+    _positive("micro_batches", micro_batches)
     if mixed_precision not in DTYPE_BYTES:
         raise ValueError(f"mixed_precision={mixed_precision!r}; use one of {sorted(DTYPE_BYTES)}")
     if not memory_budget_bytes or not memory_budget_bytes > 0:
@@ -310,7 +465,7 @@ def choose_plan(
     if not reserve_bytes >= 0:
         raise ValueError(f"reserve must be >= 0, got {reserve_bytes!r}")
     if cluster is None:
-        cluster = NcclModel(gpus_per_node=ranks_per_node)
+        cluster = NcclModel(gpus_per_node=ranks_per_node)  # the node's GPUs, TP or not
     tm, tm_name = _time_model(bandwidth, cluster)
     common = dict(seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
                   memory_budget_bytes=memory_budget_bytes, time_model=tm,
@@ -318,9 +473,10 @@ def choose_plan(
                   activation_checkpointing=activation_checkpointing, attention=attention,
                   clip=clip, norm=norm, reduce_dtype=reduce_dtype,
                   reserve_bytes=reserve_bytes, compute=compute,
-                  overlap_param_update=overlap_param_update, backend=backend)
+                  overlap_param_update=overlap_param_update, backend=backend, tp=tp,
+                  loss_parallel=loss_parallel)
     estimates = [estimate_plan(shape, p, **common)
-                 for p in enumerate_plans(world_size, ranks_per_node)]
+                 for p in enumerate_plans(world_size, ranks_per_node, tp)]
     if rank_by not in ("step", "comm"):
         raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
     fitting = _rank((e for e in estimates if e.fits), rank_by)
@@ -329,13 +485,15 @@ def choose_plan(
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total)
     baselines = {}
     if include_baselines:
+        # under TP the baselines shard the data-parallel world: FSDP2 + TP (ZeRO-3 over
+        # W / tp ranks), HSDP + TP (shard over the node's R / tp DP ranks), ...
         for key, sp in BASELINES.items():
-            rp = sp.resolve(world_size, ranks_per_node)
+            rp = sp.resolve(world_size, ranks_per_node, tensor_parallel_degree=tp)
             baselines[key] = estimate_plan(shape, rp, label=BASELINE_LABELS[key], **common)
-        rp = BASELINES["zero3"].resolve(world_size, ranks_per_node)
-        k = min(ranks_per_node, world_size)
+        rp = BASELINES["zero3"].resolve(world_size, ranks_per_node, tensor_parallel_degree=tp)
+        k = min(dp_per_node, dp_world)
         baselines["hpz"] = estimate_plan(shape, rp, label=BASELINE_LABELS["hpz"],
-                                         reshard_after_forward=k if k < world_size else True,
+                                         reshard_after_forward=k if k < dp_world else True,
                                          **common)
     settings = dict(seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
                     world_size=world_size, ranks_per_node=ranks_per_node,
@@ -347,8 +505,10 @@ def choose_plan(
                     reserve_bytes=int(reserve_bytes),
                     compute_flops=(compute or ComputeModel()).compute_flops,
                     peak_flops=(compute or ComputeModel()).peak_flops,
-                    overlap_param_update=overlap_param_update, backend=backend)
-    return PlanReport(shape, settings, fitting + rest, baselines, tm_name)
+                    overlap_param_update=overlap_param_update, backend=backend,
+                    tensor_parallel_degree=tp, data_parallel_world_size=dp_world,
+                    loss_parallel=loss_parallel if tp > 1 else None)
+    return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp)
 
 
 auto_plan = choose_plan
@@ -359,10 +519,11 @@ _TITAN_DTYPE = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "
 
 def plan(
     model_args=None, *, model_name: str | None = None, seq_len: int,
-    micro_batch_size: int, num_micro_batches: int = 1, world_size: int,
+    micro_batch_size: int, num_micro_batches: int | None = 1, world_size: int,
     ranks_per_node: int, gpu_memory_bytes: float | None = None,
     activation_checkpoint: str = "none", param_dtype: str = "bfloat16",
-    bandwidth_table=None,
+    bandwidth_table=None, tensor_parallel_degree: Union[int, str] = 1,
+    global_batch_size: int | None = None, loss_parallel: bool = True,
 ) -> PlanReport:
     """Entry point for the torchtitan integration (plan = "auto"); names follow its config.
 
@@ -372,7 +533,12 @@ def plan(
     param_dtype: torchtitan's mixed_precision_param ("bfloat16" or "float32").
     gpu_memory_bytes: per rank; None = no memory filter (fastest plan).
     bandwidth_table: a profile JSON path (python -m amsp_dtensor.plan.profile) or None.
-    Returns the PlanReport; .plan is the chosen ResolvedPlan.
+    tensor_parallel_degree: [parallelism] tensor_parallel_degree, or "auto" (needs
+      global_batch_size). global_batch_size: [training] global_batch_size, in sequences
+      (then num_micro_batches is derived per TP degree and must be None or left at 1).
+    loss_parallel: not [parallelism] disable_loss_parallel.
+    Returns the PlanReport; .plan is the chosen ResolvedPlan (of the data-parallel world
+    when .tp > 1).
     """
     if model_args is not None:
         model = model_args
@@ -383,10 +549,16 @@ def plan(
     precision = _TITAN_DTYPE.get(str(param_dtype).replace("torch.", ""))
     if precision is None:
         raise ValueError(f"param_dtype={param_dtype!r}; the planner knows bfloat16 and float32")
+    batch = {"micro_batches": num_micro_batches}
+    if global_batch_size is not None:
+        if num_micro_batches not in (None, 1):
+            raise ValueError("give global_batch_size or num_micro_batches, not both")
+        batch = {"global_batch_tokens": global_batch_size * seq_len}
     return choose_plan(
-        model, seq_len=seq_len, micro_batch=micro_batch_size, micro_batches=num_micro_batches,
-        world_size=world_size, ranks_per_node=ranks_per_node,
+        model, seq_len=seq_len, micro_batch=micro_batch_size, world_size=world_size,
+        ranks_per_node=ranks_per_node,
         memory_budget_bytes=gpu_memory_bytes if gpu_memory_bytes else float("inf"),
         bandwidth=bandwidth_table, mixed_precision=precision,
         activation_checkpointing=_TITAN_AC.get(activation_checkpoint, "none"),
+        tp=tensor_parallel_degree, loss_parallel=loss_parallel, **batch,
     )

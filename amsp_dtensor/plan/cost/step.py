@@ -27,6 +27,14 @@ engine issues (docs/layouts.md) and when it waits:
   engine's default) ``step()`` waits for it; with True each unit's all-gather is queued at
   the start of the next forward, ahead of that unit's forward all-gather, so only what
   the forward cannot hide is exposed.
+
+Tensor parallelism (degree t): each rank computes 1/t of every matmul and of the
+attention (its heads), so a unit's compute is its FLOPs / t; TP's own collectives
+(cost/tensor_parallel.py: per block two all-gathers and two reduce-scatters of the
+activations each way, the norms' gradient all-reduces, the embedding's and the head's)
+sit on the critical path, added to the unit's compute time, not overlapped (async TP is
+not modelled). They are counted in ``exposed_comm_seconds`` and, separately, in
+``tp_comm_seconds``. MFU counts the model FLOPs of one GPU: the DP rank's / t.
 """
 
 from __future__ import annotations
@@ -75,15 +83,16 @@ class StepTime:
     seconds: float  # predicted step time (overlap)
     compute_seconds: float  # compute stream busy time (incl. optimizer)
     comm_sum_seconds: float  # sum of all collective times (no overlap)
-    exposed_comm_seconds: float  # seconds - compute_seconds
+    exposed_comm_seconds: float  # seconds - compute_seconds (TP's collectives included)
     mfu: float
-    tokens: int
+    tokens: int  # tokens per data-parallel rank per step
+    tp_comm_seconds: float = 0.0  # TP's collectives, on the critical path
 
     def as_dict(self) -> dict:
         return dict(seconds=self.seconds, compute_seconds=self.compute_seconds,
                     comm_sum_seconds=self.comm_sum_seconds,
                     exposed_comm_seconds=self.exposed_comm_seconds, mfu=self.mfu,
-                    tokens_per_rank=self.tokens)
+                    tokens_per_rank=self.tokens, tp_comm_seconds=self.tp_comm_seconds)
 
 
 class _Timeline:
@@ -92,6 +101,7 @@ class _Timeline:
         self.comm_free = 0.0
         self.compute_busy = 0.0
         self.comm_busy = 0.0
+        self.tp_busy = 0.0
 
     def comm(self, ready: float, seconds: float) -> float:
         """Queue a collective that may start at `ready`; returns its end."""
@@ -100,10 +110,13 @@ class _Timeline:
         self.comm_busy += seconds
         return self.comm_free
 
-    def compute(self, ready: float, seconds: float) -> tuple[float, float]:
+    def compute(self, ready: float, seconds: float, tp: float = 0.0) -> tuple[float, float]:
+        """Run `seconds` of compute and `tp` seconds of TP collectives between its ops
+        (the compute waits for them) from `ready`; returns (start, end)."""
         start = max(ready, self.compute_free)
-        self.compute_free = start + seconds
+        self.compute_free = start + seconds + tp
         self.compute_busy += seconds
+        self.tp_busy += tp
         return start, self.compute_free
 
 
@@ -125,11 +138,13 @@ def step_time(
     model: ModelShape, events: list[PlannedComm], time_model: TimeModel, *, seq_len: int,
     micro_batch: int, micro_batches: int, os_numel: int, compute: ComputeModel | None = None,
     activation_checkpointing: str = "none", overlap_param_update: bool = False,
+    tp: int = 1, tp_seconds: dict | None = None,
 ) -> StepTime:
     """Predicted time of one optimizer step on one rank (module docstring).
 
     events: predicted_events() of the plan; os_numel: OS elements on this rank (for the
-    optimizer's memory-bound step)."""
+    optimizer's memory-bound step). tp: the TP degree; tp_seconds: {(unit, phase):
+    seconds per micro-batch} of TP's collectives (tensor_parallel.tp_seconds_per_micro_batch)."""
     cm = compute or ComputeModel()
     L, M = model.n_layers, int(micro_batches)
     tokens = seq_len * micro_batch
@@ -139,8 +154,13 @@ def step_time(
         return per_call.get((unit, phase, op, dim), 0.0)
 
     recompute = 1.0 if activation_checkpointing == "full" else 0.0
-    f_block = tokens * block_flops_per_token(model, seq_len) / cm.compute_flops
-    f_root = tokens * root_flops_per_token(model) / cm.compute_flops
+    f_block = tokens * block_flops_per_token(model, seq_len) / (cm.compute_flops * tp)
+    f_root = tokens * root_flops_per_token(model) / (cm.compute_flops * tp)
+    tp_seconds = tp_seconds or {}
+
+    def tpc(unit, phase):  # TP collectives of a unit's forward or backward, per micro-batch
+        return tp_seconds.get((unit, phase), 0.0)
+
     root = L
     order = [root] + list(range(L))  # forward all-gather order
     tl = _Timeline()
@@ -165,15 +185,15 @@ def step_time(
         if len(order) > 1:
             gathered[order[1]] = gather(order[1], issue)
         for i, u in enumerate(order[1:], start=1):
-            start, _ = tl.compute(gathered[u], f_block)
+            start, _ = tl.compute(gathered[u], f_block, tpc(u, "forward"))
             if i + 1 < len(order):
                 gathered[order[i + 1]] = gather(order[i + 1], start)
-        _, fwd_end = tl.compute(gathered[root], f_root)
+        _, fwd_end = tl.compute(gathered[root], f_root, tpc(root, "forward"))
         # ---- backward ----
         pending_sync: list[float] = []
         drain_before: dict[int, float] = {}
         bwd_gather: dict[int, float] = {}
-        r_start, r_end = tl.compute(fwd_end, 2 * f_root)
+        r_start, r_end = tl.compute(fwd_end, 2 * f_root, tpc(root, "backward"))
         blocks = list(range(L - 1, -1, -1))
         if blocks:
             bwd_gather[blocks[0]] = tl.comm(r_start, c(blocks[0], "backward", "all_gather", "p"))
@@ -190,7 +210,7 @@ def step_time(
         prev_end = r_end
         for i, u in enumerate(blocks):
             ready = max(prev_end, bwd_gather[u], drain_before.get(i, 0.0))
-            start, end = tl.compute(ready, (2 + recompute) * f_block)
+            start, end = tl.compute(ready, (2 + recompute) * f_block, tpc(u, "backward"))
             if i + 1 < len(blocks):
                 bwd_gather[blocks[i + 1]] = tl.comm(
                     start, c(blocks[i + 1], "backward", "all_gather", "p"))
@@ -200,13 +220,14 @@ def step_time(
         chain_end = grad_chain(root, prev_end)
         t = max([prev_end, chain_end] + pending_sync)
     # ---- step ----
-    t = tl.comm(t, clip)
+    t = tl.comm(t, clip + tpc(-1, "step"))  # the clip's all-reduces (over "tp" too)
+    tl.tp_busy += tpc(-1, "step")
     _, t = tl.compute(t, OPTIM_STEP_BYTES * os_numel / cm.hbm_bw)
     if not overlap_param_update:
         for u in range(L + 1):
             t = tl.comm(t, ps[u])
     seconds = t
-    flops = tokens * M * model_flops_per_token(model, seq_len)
+    flops = tokens * M * model_flops_per_token(model, seq_len) / tp  # one GPU's share
     return StepTime(
         seconds=seconds,
         compute_seconds=tl.compute_busy,
@@ -214,4 +235,5 @@ def step_time(
         exposed_comm_seconds=max(0.0, seconds - tl.compute_busy),
         mfu=flops / (seconds * cm.peak_flops) if seconds > 0 else 0.0,
         tokens=tokens * M,
+        tp_comm_seconds=tl.tp_busy,
     )
