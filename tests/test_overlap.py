@@ -15,8 +15,7 @@ from amsp_dtensor.observe.recorder import CommEvent, overlap_summary
 from amsp_dtensor.plan import ShardingPlan
 from amsp_dtensor.testing.scenarios import reference_training
 from amsp_dtensor.testing.tiny_llama import TinyLlama
-from engine_cases import rel_diff
-from engine_checks import TOLERANCE
+from engine_cases import TOLERANCE, rel_diff
 from overlap_cases import MICRO_BATCHES, PER_NODE, PLANS, STEPS, WORLD, run_overlap_cases
 
 IDS = [f"p{p}-g{g}-os{o}" for p, g, o in PLANS]
