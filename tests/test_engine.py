@@ -229,7 +229,10 @@ ERRORS = {
     "model moved after sharding": (RuntimeError, ["move the model before amsp.fully_shard"]),
     "zero_grad keeping grads": (ValueError, ["set_to_none=False"]),
     "parameter storage replaced after the optimizer": (RuntimeError, ["storage was replaced"]),
+    # the case halves layers.1.feed_forward.w1.weight with its update in flight: the
+    # message names that parameter, and it alone, and says what to do instead
     "parameter written while its update is in flight": (amsp.ParamWrittenWhilePending, [
+        "parameter(s) layers.1.feed_forward.w1.weight were written in place",
         "call optimizer.wait_param_update() after step() and before editing parameters",
     ]),
 }
