@@ -58,9 +58,11 @@ def test_a_case_raising_on_every_rank_fails_its_get_with_the_traceback(results):
         results.get("middle")
     report = str(info.value)
     assert "case 'middle' failed on rank(s) [0, 1] of 2" in report, report
-    assert "in _raises_everywhere" in report, report  # the frame that raised
-    assert "ValueError: middle case broke on rank 0" in report, report
-    assert "ValueError: middle case broke on rank 1" in report, report
+    # the frame that raised, shown once for both ranks, then each rank's message
+    assert report.count("in _raises_everywhere") == 1, report
+    assert "--- ranks 0, 1 ---" in report, report
+    assert "[rank 0] ValueError: middle case broke on rank 0" in report, report
+    assert "[rank 1] ValueError: middle case broke on rank 1" in report, report
 
 
 def test_a_case_raising_on_one_rank_fails_and_names_it(results):

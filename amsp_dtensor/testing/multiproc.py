@@ -204,12 +204,22 @@ class CaseFailed(AssertionError):
 
 
 def _tracebacks(by_rank: dict[int, str]) -> str:
-    """Each distinct traceback once, headed by the ranks that raised it."""
-    groups: dict[str, list[int]] = {}
+    """Each distinct traceback once, headed by the ranks that raised it; ranks whose
+    tracebacks differ in the final line only (a message naming the rank) share one, with
+    each rank's final line listed."""
+    groups: dict[str, dict[int, str]] = {}  # the traceback less its final line -> rank: line
     for rank, text in sorted(by_rank.items()):
-        groups.setdefault(text, []).append(rank)
-    return "\n".join(f"--- rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} ---\n"
-                     f"{text.rstrip()}" for text, r in groups.items())
+        lines = text.rstrip().splitlines() or [""]
+        groups.setdefault("\n".join(lines[:-1]), {})[rank] = lines[-1]
+    out = []
+    for frames, last in groups.items():
+        ranks = ", ".join(map(str, last))
+        out.append(f"--- rank{'s' if len(last) > 1 else ''} {ranks} ---\n{frames}")
+        if len(set(last.values())) == 1:
+            out.append(next(iter(last.values())))
+        else:
+            out.extend(f"[rank {rank}] {line}" for rank, line in last.items())
+    return "\n".join(out)
 
 
 def _read(path):
