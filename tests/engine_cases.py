@@ -1,12 +1,16 @@
-"""Runs every plan of a world on one process group (started once per test module)."""
+"""The rank side of tests/test_engine.py: every plan of a world, each (plan, variant) one
+case of run_cases on the world's process group (started once per test module), and at
+world 4 the cases of error_cases, extra_cases and recovery_cases. Cases return what they
+measured (losses, weights, events, bytes, messages); the test module compares."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from amsp_dtensor.plan import enumerate_plans
-from amsp_dtensor.testing.multiproc import run_on_ranks
-from amsp_dtensor.testing.scenarios import amsp_training, reference_training
+from amsp_dtensor.testing.scenarios import amsp_training
 
 MICRO_BATCHES = 2
 READ_STEPS = 3  # weights read through model.parameters() after each of the first steps
@@ -23,6 +27,8 @@ VARIANTS = {
 # bf16 parameters with an fp32 gradient reduction (run at world 4 only)
 REDUCE_FP32 = ("bf16-reduce-fp32", (torch.bfloat16, torch.float32, False, 0))
 OVERLAP_STEPS = READ_STEPS  # the overlap variant trains just long enough for its reads
+# How close two fp32 (bf16) runs must be: rel_diff (rel_norm_diff for bf16 weights)
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 
 
 def variants_of(world: int) -> dict:
@@ -32,28 +38,32 @@ def variants_of(world: int) -> dict:
     return out
 
 
-def _all_plans(rank, world, per_node, extra=None):
-    out = {}
-    for plan in enumerate_plans(world, per_node):
-        key = (plan.s_p, plan.s_g, plan.s_os)
-        for name, (dtype, reduce_dtype, overlap, read_steps) in variants_of(world).items():
-            steps = OVERLAP_STEPS if overlap else STEPS[world]
-            out[(key, name)] = amsp_training(
-                rank, world, key, dtype, MICRO_BATCHES, steps, overlap=overlap,
-                reduce_dtype=reduce_dtype, read_steps=read_steps,
-            )
-    if extra is not None:
-        out["extra"] = extra(rank, world)
-    return out
+def plan_case(rank, world, plan, variant):
+    """One plan trained in one variant (amsp_training's result on this rank)."""
+    dtype, reduce_dtype, overlap, read_steps = variants_of(world)[variant]
+    steps = OVERLAP_STEPS if overlap else STEPS[world]
+    return amsp_training(rank, world, plan, dtype, MICRO_BATCHES, steps, overlap=overlap,
+                         reduce_dtype=reduce_dtype, read_steps=read_steps)
 
 
-def run_world(world, per_node, extra=None):
-    """({(plan, variant): [per-rank result]}, {dtype name: reference}) for every plan."""
-    results = run_on_ranks(_all_plans, world, per_node, per_node, extra, timeout=900)
-    by_case = {key: [r[key] for r in results] for key in results[0]}
-    refs = {name: reference_training(world, MICRO_BATCHES, STEPS[world], dt, read_steps=READ_STEPS)
-            for name, dt in DTYPES.items()}
-    return by_case, refs
+def world_cases(world, per_node) -> dict:
+    """name -> case for run_cases: (plan, variant) for every plan and variant; at world 4
+    also "errors", ("recovery", plan) and the extra_cases."""
+    cases = {}
+    for p in enumerate_plans(world, per_node):
+        plan = (p.s_p, p.s_g, p.s_os)
+        for variant in variants_of(world):
+            cases[(plan, variant)] = partial(plan_case, plan=plan, variant=variant)
+    if world == 4:
+        import extra_cases
+        import recovery_cases
+        from error_cases import run_error_cases
+
+        cases["errors"] = run_error_cases
+        cases.update(extra_cases.CASES)
+        for plan in recovery_cases.PLANS:
+            cases[("recovery", plan)] = partial(recovery_cases.run_recovery_case, plan=plan)
+    return cases
 
 
 def rel_diff(a, b) -> float:

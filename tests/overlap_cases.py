@@ -1,14 +1,17 @@
 """The overlap runs of tests/test_overlap.py: every valid plan at 4 ranks, units as
-torchtitan cuts them, with every overlap off and on; one process group for all."""
+torchtitan cuts them, with every overlap off and on; one process group for all, each
+(plan, config) one case of it."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 import amsp_dtensor as amsp
 from amsp_dtensor.plan import ShardingPlan, enumerate_plans
 from amsp_dtensor.engine.handle import root_state
-from amsp_dtensor.testing.multiproc import run_on_ranks
+from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.scenarios import amsp_training, make_model, shard_model
 
 WORLD, PER_NODE = 4, 2
@@ -52,20 +55,12 @@ def _errors(rank, world):
     return out
 
 
-def _run_all(rank, world, per_node):
-    out = {}
-    for plan in PLANS:
-        for name, (overlaps, param_update, clip) in CONFIGS.items():
-            out[(plan, name)] = amsp_training(
-                rank, world, plan, torch.float32, MICRO_BATCHES, STEPS,
-                record_step=RECORD_STEP, overlap=param_update, layout="titan",
-                overlaps=overlaps, clip=clip,
-            )
-    out["errors"] = _errors(rank, world)
-    return out
-
-
 def run_overlap_cases():
-    """{key: [per-rank result]} for every (plan, config), and "errors"."""
-    results = run_on_ranks(_run_all, WORLD, PER_NODE, PER_NODE, timeout=900)
-    return {key: [r[key] for r in results] for key in results[0]}
+    """run_cases results: every (plan, config), and "errors"."""
+    cases = {(plan, name): partial(
+                 amsp_training, plan=plan, dtype=torch.float32, micro_batches=MICRO_BATCHES,
+                 steps=STEPS, record_step=RECORD_STEP, overlap=param_update, layout="titan",
+                 overlaps=overlaps, clip=clip)
+             for plan in PLANS for name, (overlaps, param_update, clip) in CONFIGS.items()}
+    cases["errors"] = _errors
+    return run_cases(cases, WORLD, PER_NODE, timeout=900)

@@ -1,7 +1,8 @@
 """An exception inside the backward (or forward) of step 2, caught by the training loop,
 then zero_grad() and a retry of step 2: the run must be identical to one that was never
-interrupted. Runs inside the world-4 process group; every rank raises at the same point
-(as an OOM in the same micro-batch would), so the collectives issued before it match."""
+interrupted. Each plan is one case of the world-4 process group; every rank raises at the
+same point (as an OOM in the same micro-batch would), so the collectives issued before it
+match."""
 
 from __future__ import annotations
 
@@ -94,12 +95,10 @@ def _inject(model, where: str):
     return block.register_forward_hook(hook)
 
 
-def run_recovery_cases(rank, world):
-    out = {}
-    for plan in PLANS:
-        clean = _train(rank, world, plan)
-        micro, _ = FAILURES[plan]
-        failed = _train(rank, world, plan, fail_at=(FAIL_STEP, micro))
-        out[plan] = {"clean": clean, "retried": failed}
-    return out
-
+def run_recovery_case(rank, world, plan):
+    """The run never interrupted, and the run that failed once in step FAIL_STEP and
+    retried it: losses, failures caught and final weights of each."""
+    clean = _train(rank, world, plan)
+    micro, _ = FAILURES[plan]
+    retried = _train(rank, world, plan, fail_at=(FAIL_STEP, micro))
+    return {"clean": clean, "retried": retried}

@@ -12,12 +12,13 @@ and P within 3% of the model's P.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 
 from amsp_dtensor.plan.cost.backward_peak import predict_backward_grad_bytes, unit_sizes
 from amsp_dtensor.plan import ShardingPlan, enumerate_plans
-from amsp_dtensor.testing.multiproc import run_on_ranks
+from amsp_dtensor.testing.multiproc import run_cases
 
 WORLD, PER_NODE = 4, 2
 PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
@@ -28,17 +29,23 @@ multiproc = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
                                reason="multi-process")
 
 
-def _cases(rank, world):
+def _census(rank, world, plan, dtypes, micro_batches):
     from amsp_dtensor.testing.backward_memory import measure_backward_memory
 
-    out = measure_backward_memory(rank, world, PLANS, ("fp32", "bf16"), 2)
-    out.update(measure_backward_memory(rank, world, THREE_MICRO_PLANS, ("fp32",), 3))
-    return out
+    return measure_backward_memory(rank, world, [plan], dtypes, micro_batches)
+
+
+# one case per plan and micro-batch count, each on its plan's mesh for both dtypes
+CASES = {**{(plan, 2): partial(_census, plan=plan, dtypes=("fp32", "bf16"), micro_batches=2)
+            for plan in PLANS},
+         **{(plan, 3): partial(_census, plan=plan, dtypes=("fp32",), micro_batches=3)
+            for plan in THREE_MICRO_PLANS}}
+CASE_IDS = [f"p{p}-g{g}-os{o}-{m}mb" for (p, g, o), m in CASES]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_ranks(_cases, WORLD, PER_NODE)
+    return run_cases(CASES, WORLD, PER_NODE)
 
 
 def _close(measured: int, predicted: int) -> bool:
@@ -47,14 +54,15 @@ def _close(measured: int, predicted: int) -> bool:
 
 @multiproc
 def test_enough_plans_and_both_dtypes(results):
-    keys = results[0].keys()
+    keys = [key for case in CASES for key in results.get(case)[0]]
     for dtype in ("fp32", "bf16"):
         assert len({plan for plan, d, m in keys if d == dtype and m == 2}) >= 6
 
 
 @multiproc
-def test_every_hook_census_matches_the_model(results):
-    for rank, by_case in enumerate(results):
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_every_hook_census_matches_the_model(results, case):
+    for rank, by_case in enumerate(results.get(case)):
         for key, r in by_case.items():
             plan, dtype, micro_batches = key
             samples, predicted = r["samples"], r["predicted"]
@@ -68,8 +76,9 @@ def test_every_hook_census_matches_the_model(results):
 
 
 @multiproc
-def test_peak_and_param_bytes_match_the_model(results):
-    for rank, by_case in enumerate(results):
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_peak_and_param_bytes_match_the_model(results, case):
+    for rank, by_case in enumerate(results.get(case)):
         for key, r in by_case.items():
             assert r["peak"] > 0
             assert _close(r["peak"], r["predicted_peak"]), (rank, key, r["peak"],

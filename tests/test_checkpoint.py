@@ -11,6 +11,9 @@
   and weights.
 - Mismatches: a checkpoint that does not fit stops every rank with the same one-line
   CheckpointMismatch, before any collective.
+
+The 4-, 8- and 2-rank worlds run in turn (8 loads what 4 saved, 2 what both saved), each
+one process group whose cases run on their own (run_cases).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from amsp_dtensor.testing.multiproc import run_on_ranks
+from amsp_dtensor.testing.multiproc import run_cases
 
 pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
                                 reason="multi-process")
@@ -95,81 +99,95 @@ def _saved_at(tmp, world, plan):
     return os.path.join(tmp, _name(world, plan))
 
 
-def _world4(rank, world, tmp):
+def _resume(rank, world, tmp, plan, variant):
+    """6 steps straight, and 3 steps + save + a fresh model and optimizer loading step 3 +
+    steps 4-6: both runs' losses and full states (rank 0), the step loaded, whether an
+    update was pending at the save and the RNG state restored."""
     from amsp_dtensor import checkpoint
 
-    out = {"resume": {}, "reshard": {}}
-    for plan, variant in RESUME_CASES:
-        overlap = {"overlap_param_update": True} if variant else {}
-        model, optim = _build(world, plan, **overlap)
-        whole = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
-        whole_state = _full_state(model, optim)
-        model, optim = _build(world, plan, **overlap)
-        first = _train(model, optim, rank, world, range(1, 4))
-        pending = optim.param_update_pending  # overlap: step 3's all-gather not landed yet
-        torch.rand(5)  # randomness used in training: the RNG state moves on
-        path = _saved_at(tmp, world, plan) + variant
-        checkpoint.save(path, 3, model, optim)
-        saved_state = _full_state(model, optim)
-        drawn_after_save = torch.rand(3)
-        del model, optim
-        model, optim = _build(world, plan, **overlap)
-        if variant:  # an optimizer that has stepped already (its state is replaced)
-            _train(model, optim, rank, world, [5])
-        step = checkpoint.load(checkpoint.step_path(path, 3), model, optim)
-        drawn_after_load = torch.rand(3)
-        rest = _train(model, optim, rank, world, range(step + 1, JOB_STEPS + 1))
-        resumed_state = _full_state(model, optim)
-        if rank == 0:
-            out["resume"][(plan, variant)] = {
-                "whole": whole, "resumed": first + rest, "step": step, "pending": pending,
-                "rng_restored": torch.equal(drawn_after_save, drawn_after_load),
-                "whole_state": whole_state, "resumed_state": resumed_state}
-            if not variant:
-                torch.save(saved_state, os.path.join(tmp, _name(world, plan) + ".state.pt"))
-    # Adafactor: factored moments (a row factor sharded with the rows, a whole column factor)
+    overlap = {"overlap_param_update": True} if variant else {}
+    model, optim = _build(world, plan, **overlap)
+    whole = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
+    whole_state = _full_state(model, optim)
+    model, optim = _build(world, plan, **overlap)
+    first = _train(model, optim, rank, world, range(1, 4))
+    pending = optim.param_update_pending  # overlap: step 3's all-gather not landed yet
+    torch.rand(5)  # randomness used in training: the RNG state moves on
+    path = _saved_at(tmp, world, plan) + variant
+    checkpoint.save(path, 3, model, optim)
+    saved_state = _full_state(model, optim)
+    drawn_after_save = torch.rand(3)
+    del model, optim
+    model, optim = _build(world, plan, **overlap)
+    if variant:  # an optimizer that has stepped already (its state is replaced)
+        _train(model, optim, rank, world, [5])
+    step = checkpoint.load(checkpoint.step_path(path, 3), model, optim)
+    drawn_after_load = torch.rand(3)
+    rest = _train(model, optim, rank, world, range(step + 1, JOB_STEPS + 1))
+    resumed_state = _full_state(model, optim)
+    if rank != 0:
+        return None
+    if not variant:  # the reshard tests compare their loads with this
+        torch.save(saved_state, os.path.join(tmp, _name(world, plan) + ".state.pt"))
+    return {"whole": whole, "resumed": first + rest, "step": step, "pending": pending,
+            "drawn_after_save": drawn_after_save, "drawn_after_load": drawn_after_load,
+            "whole_state": whole_state, "resumed_state": resumed_state}
+
+
+def _save_adafactor(rank, world, tmp):
+    """Adafactor: factored moments (a row factor sharded with the rows, a whole column
+    factor), saved at step 3 with its full state beside it."""
+    from amsp_dtensor import checkpoint
+
     model, optim = _build(world, ADAFACTOR_SOURCE[1], optimizer=torch.optim.Adafactor)
     _train(model, optim, rank, world, range(1, 4))
     checkpoint.save(_saved_at(tmp, *ADAFACTOR_SOURCE) + "-adafactor", 3, model, optim)
     adafactor_state = _full_state(model, optim)
     if rank == 0:
-        torch.save(adafactor_state, os.path.join(tmp, _name(*ADAFACTOR_SOURCE) + "-adafactor.state.pt"))
-    out["reshard"] = _load_reshards(rank, world, tmp)
-    return out if rank == 0 else None
+        torch.save(adafactor_state,
+                   os.path.join(tmp, _name(*ADAFACTOR_SOURCE) + "-adafactor.state.pt"))
 
 
-def _load_reshards(rank, world, tmp):
-    """Load every RESHARDS source meant for this world; return the full states (rank 0) and
-    re-save them under this world's plan for the next world to load."""
+def _load_reshard(rank, world, tmp, source, target):
+    """Load the RESHARDS source checkpoint under this world's plan: (step, full state, the
+    loss of one more step) on rank 0; re-saved under this plan for the next world."""
     from amsp_dtensor import checkpoint
 
-    loaded = {}
-    for (src_world, src_plan), (dst_world, dst_plan) in RESHARDS:
-        if dst_world != world:
-            continue
-        model, optim = _build(world, dst_plan)
-        step = checkpoint.load(checkpoint.step_path(_saved_at(tmp, src_world, src_plan), 3),
-                               model, optim)
-        state = _full_state(model, optim)
-        if rank == 0:
-            loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))] = (step, state)
-        checkpoint.save(_saved_at(tmp, dst_world, dst_plan), 3, model, optim)
-        # one step more: training goes on from the loaded state
-        loss = _train(model, optim, rank, world, [step + 1])[0]
-        if rank == 0:
-            loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))] += (loss,)
-    return loaded
+    model, optim = _build(world, target[1])
+    step = checkpoint.load(checkpoint.step_path(_saved_at(tmp, *source), 3), model, optim)
+    state = _full_state(model, optim)
+    checkpoint.save(_saved_at(tmp, *target), 3, model, optim)
+    # one step more: training goes on from the loaded state
+    loss = _train(model, optim, rank, world, [step + 1])[0]
+    return (step, state, loss) if rank == 0 else None
 
 
-def _world8(rank, world, tmp):
+def _load_adafactor(rank, world, tmp):
     from amsp_dtensor import checkpoint
 
-    loaded = _load_reshards(rank, world, tmp)
     model, optim = _build(world, ADAFACTOR_TARGET[1], optimizer=torch.optim.Adafactor)
     checkpoint.load(checkpoint.step_path(_saved_at(tmp, *ADAFACTOR_SOURCE) + "-adafactor", 3),
                     model, optim)
     adafactor = _full_state(model, optim)
-    return {"reshard": loaded, "adafactor": adafactor} if rank == 0 else None
+    return adafactor if rank == 0 else None
+
+
+def _reshard_cases(world):
+    """The RESHARDS loaded by ``world``, in order (a source may be the one before's save)."""
+    return {("reshard", source, target): partial(_load_reshard, source=source, target=target)
+            for source, target in RESHARDS if target[0] == world}
+
+
+def _world4_cases():
+    cases = {("resume", plan, variant): partial(_resume, plan=plan, variant=variant)
+             for plan, variant in RESUME_CASES}
+    cases["adafactor save"] = _save_adafactor
+    cases.update(_reshard_cases(4))
+    return cases
+
+
+def _world8_cases():
+    return {**_reshard_cases(8), "adafactor load": _load_adafactor}
 
 
 # ---- mismatches (2 ranks) ---------------------------------------------------------------
@@ -190,15 +208,20 @@ def _mismatch_cases(tmp):
     }
 
 
-def _world2(rank, world, tmp):
-    from amsp_dtensor import checkpoint
-
-    out = {"reshard": _load_reshards(rank, world, tmp)}
-    # the reference of the torchrun fault jobs
+def _job_reference(rank, world, tmp):
+    """The run the torchrun fault jobs must end with: losses and full weights."""
     model, optim = _build(world, JOB_PLAN)
     losses = _train(model, optim, rank, world, range(1, JOB_STEPS + 1))
-    out["job_reference"] = {"losses": losses, "weights": _full_state(model, optim)["weights"]}
-    # extra (alike on every rank, with a list) and rank_extra (each rank's own)
+    return {"losses": losses, "weights": _full_state(model, optim)["weights"]}
+
+
+def _extras(rank, world, tmp):
+    """extra (alike on every rank, with a list) and rank_extra (each rank's own), saved
+    with a model at step 6 and loaded into fresh dicts: those dicts after the load."""
+    from amsp_dtensor import checkpoint
+
+    model, optim = _build(world, JOB_PLAN)
+    _train(model, optim, rank, world, [1])
     extra = {"samples_seen": torch.tensor([96]), "buffers": [torch.ones(2), torch.zeros(3)],
              "epoch": 1}
     rank_extra = {"position": torch.tensor([10 * rank + 7]), "name": f"shard{rank}"}
@@ -210,37 +233,60 @@ def _world2(rank, world, tmp):
     model2, optim2 = _build(world, JOB_PLAN)
     checkpoint.load(checkpoint.step_path(os.path.join(tmp, "extras"), 6), model2, optim2,
                     extra=got_extra, rank_extra=got_rank_extra)
-    out["extras"] = {"extra": got_extra, "rank_extra": got_rank_extra}
-    # checkpoints that do not fit
+    return {"extra": got_extra, "rank_extra": got_rank_extra}
+
+
+def _save_mismatch_sources(rank, world, tmp):
+    """The checkpoints of _mismatch_cases that the reshards do not leave: a model-only one,
+    and one whose save was interrupted (no .metadata)."""
+    from amsp_dtensor import checkpoint
+
+    model, optim = _build(world, JOB_PLAN)
+    _train(model, optim, rank, world, [1])
     checkpoint.save(os.path.join(tmp, "model_only"), 3, model)
     checkpoint.save(os.path.join(tmp, "interrupted"), 4, model, optim)
     torch.distributed.barrier()
     if rank == 0:
         os.remove(os.path.join(tmp, "interrupted", "step-4", ".metadata"))
     torch.distributed.barrier()
-    errors = {}
-    for name, (build, path, with_optim) in _mismatch_cases(tmp).items():
-        build = dict(build)
-        model, optim = _build(world, (1, 1, 2), build.pop("cfg", None),
-                              build.pop("optimizer", torch.optim.AdamW), **build)
-        start = time.monotonic()
-        try:
-            checkpoint.load(path, model, optim if with_optim else None)
-            errors[name] = None
-        except checkpoint.CheckpointMismatch as e:
-            errors[name] = (str(e), time.monotonic() - start)
-    torch.distributed.barrier()  # every rank is past every failed load: none hangs
-    out["errors"] = errors
-    return out
+
+
+def _mismatched_load(rank, world, tmp, name):
+    """(the CheckpointMismatch message, seconds to raise it), or None if the load worked."""
+    from amsp_dtensor import checkpoint
+
+    build, path, with_optim = _mismatch_cases(tmp)[name]
+    build = dict(build)
+    model, optim = _build(world, (1, 1, 2), build.pop("cfg", None),
+                          build.pop("optimizer", torch.optim.AdamW), **build)
+    start = time.monotonic()
+    try:
+        checkpoint.load(path, model, optim if with_optim else None)
+        error = None
+    except checkpoint.CheckpointMismatch as e:
+        error = (str(e), time.monotonic() - start)
+    torch.distributed.barrier()  # every rank is past the failed load: none hangs
+    return error
+
+
+def _world2_cases():
+    cases = _reshard_cases(2)
+    cases["job reference"] = _job_reference
+    cases["extras"] = _extras
+    cases["mismatch sources"] = _save_mismatch_sources
+    for name in _mismatch_cases(tmp=""):
+        cases[("mismatch", name)] = partial(_mismatched_load, name=name)
+    return cases
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """world size -> its run_cases results ("tmp": the checkpoints' folder). The worlds
+    run in turn: 8 loads what 4 saved, 2 what 4 and 8 saved."""
     tmp = str(tmp_path_factory.mktemp("checkpoints"))
-    w4 = run_on_ranks(_world4, 4, 2, tmp, timeout=300)[0]
-    w8 = run_on_ranks(_world8, 8, 4, tmp, timeout=300)[0]
-    w2 = run_on_ranks(_world2, 2, 1, tmp, timeout=300)
-    return {"tmp": tmp, "w4": w4, "w8": w8, "w2": w2}
+    return {"tmp": tmp, 4: run_cases(_world4_cases(), 4, 2, tmp, timeout=300),
+            8: run_cases(_world8_cases(), 8, 4, tmp, timeout=300),
+            2: run_cases(_world2_cases(), 2, 1, tmp, timeout=300)}
 
 
 # ---- resume ------------------------------------------------------------------------------
@@ -251,10 +297,10 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("case", RESUME_CASES, ids=[_name(4, p) + v for p, v in RESUME_CASES])
 def test_resume_continues_the_run(results, case):
-    r = results["w4"]["resume"][case]
+    r = results[4].get(("resume", *case))[0]
     assert r["step"] == 3
     assert r["pending"] is bool(case[1])  # with overlap, saved while an update was pending
-    assert r["rng_restored"]
+    assert torch.equal(r["drawn_after_save"], r["drawn_after_load"])  # the RNG state came back
     assert r["whole"] == pytest.approx(r["resumed"], abs=1e-6)
     assert r["whole"][3] != r["whole"][2]  # the steps after the resume trained
     assert _max_diff(r["whole_state"]["weights"], r["resumed_state"]["weights"]) <= 1e-6
@@ -262,8 +308,9 @@ def test_resume_continues_the_run(results, case):
 
 
 def test_adafactor_factored_states_reshard_exactly(results):
+    results[4].get("adafactor save")  # its traceback, if the save failed
     saved = torch.load(os.path.join(results["tmp"], _name(*ADAFACTOR_SOURCE) + "-adafactor.state.pt"))
-    loaded = results["w8"]["adafactor"]
+    loaded = results[8].get("adafactor load")[0]
     assert any(k.endswith("row_var") for k in saved["optim"])
     assert any(k.endswith("col_var") for k in saved["optim"])
     for kind in ("weights", "optim"):
@@ -276,9 +323,7 @@ def test_adafactor_factored_states_reshard_exactly(results):
 @pytest.mark.parametrize("pair", RESHARDS, ids=[f"{_name(*s)}-to-{_name(*d)}" for s, d in RESHARDS])
 def test_reshard_round_trip_is_exact(results, pair):
     (src_world, src_plan), (dst_world, dst_plan) = pair
-    loaded = {2: results["w2"][0]["reshard"], 4: results["w4"]["reshard"],
-              8: results["w8"]["reshard"]}[dst_world]
-    step, state, loss = loaded[(_name(src_world, src_plan), _name(dst_world, dst_plan))]
+    step, state, loss = results[dst_world].get(("reshard", *pair))[0]
     # every source was saved at step 3 from the 4-rank run (8-rank ones re-saved unchanged)
     origin = {(8, (1, 8, 8)): (4, (2, 2, 4)), (8, (4, 4, 8)): (4, (1, 4, 4))}.get(
         (src_world, src_plan), (src_world, src_plan))
@@ -293,8 +338,7 @@ def test_reshard_round_trip_is_exact(results, pair):
 
 
 def test_extra_and_rank_extra_come_back(results):
-    for rank, rank_results in enumerate(results["w2"]):
-        got = rank_results["extras"]
+    for rank, got in enumerate(results[2].get("extras")):
         assert torch.equal(got["extra"]["samples_seen"], torch.tensor([96]))
         assert torch.equal(got["extra"]["buffers"][0], torch.ones(2))
         assert torch.equal(got["extra"]["buffers"][1], torch.zeros(3))
@@ -329,7 +373,7 @@ def _torchrun(tmp, name, max_restarts, faults, save_every):
 
 
 def _check_against_reference(results, losses, weights):
-    reference = results["w2"][0]["job_reference"]
+    reference = results[2].get("job reference")[0]
     assert len(losses) == JOB_STEPS
     assert losses == pytest.approx(reference["losses"], abs=1e-6)
     assert _max_diff(weights, reference["weights"]) <= 1e-6
@@ -369,9 +413,13 @@ MISMATCH_MESSAGES = {
 }
 
 
+def test_every_mismatch_case_has_its_message():
+    assert _mismatch_cases(tmp="").keys() == MISMATCH_MESSAGES.keys()
+
+
 @pytest.mark.parametrize("name", sorted(MISMATCH_MESSAGES))
 def test_mismatched_checkpoint_stops_every_rank_with_one_line(results, name):
-    messages = [rank_results["errors"][name] for rank_results in results["w2"]]
+    messages = results[2].get(("mismatch", name))
     assert all(m is not None for m in messages), f"{name}: the load did not fail"
     texts = {text for text, _ in messages}
     assert len(texts) == 1, texts  # every rank, the same verdict

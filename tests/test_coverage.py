@@ -4,18 +4,20 @@ attention half of every block) train exactly like single-process training and ho
 or OS; tied weights split over two units are refused with one line naming both modules,
 and train exactly when they share one unit; Adafactor (factored second moments over whole
 rows and columns) trains exactly like torch.optim.Adafactor in one process; other
-optimizers outside the elementwise list are refused at construction."""
+optimizers outside the elementwise list are refused at construction. Each plan and model
+is one case of the process group (run_cases)."""
 
 from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
 
 from amsp_dtensor.plan import enumerate_plans
-from amsp_dtensor.testing.multiproc import run_on_ranks
+from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.scenarios import amsp_training, make_model, plan_mesh, reference_training
 from engine_cases import rel_diff
 
@@ -93,26 +95,28 @@ def _adafactor_moves_between_plans(rank, world):
             "target": _train(target, target_optim, rank, world, 2, first_step=2)}
 
 
-def _all_cases(rank, world):
-    out = {"frozen": {}, "tied": {}, "tied_split": {}, "adafactor": {}}
+def _all_cases() -> dict:
+    cases = {}
     for plan in PLANS:
-        out["adafactor"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
-                                               STEPS, optimizer="adafactor")
-        out["frozen"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
-                                            STEPS, variant="frozen")
-        out["tied_split"][plan] = {sep: _tied_split(rank, world, plan, sep)
-                                   for sep in ("output", "tok_embeddings")}
+        train = partial(amsp_training, plan=plan, dtype=torch.float32,
+                        micro_batches=MICRO_BATCHES, steps=STEPS)
+        cases[("adafactor", plan)] = partial(train, optimizer="adafactor")
+        cases[("frozen", plan)] = partial(train, variant="frozen")
+        for separate in ("output", "tok_embeddings"):
+            cases[("tied_split", plan, separate)] = partial(_tied_split, plan=plan,
+                                                            separate=separate)
     for plan in TIED_EXACT_PLANS:
-        out["tied"][plan] = amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES,
-                                          STEPS, variant="tied")
-    out["optimizers"] = _refused_optimizer(rank, world)
-    out["adafactor_moved"] = _adafactor_moves_between_plans(rank, world)
-    return out
+        cases[("tied", plan)] = partial(amsp_training, plan=plan, dtype=torch.float32,
+                                        micro_batches=MICRO_BATCHES, steps=STEPS,
+                                        variant="tied")
+    cases["optimizers"] = _refused_optimizer
+    cases["adafactor_moved"] = _adafactor_moves_between_plans
+    return cases
 
 
 @pytest.fixture(scope="module")
 def runs():
-    results = run_on_ranks(_all_cases, WORLD, PER_NODE, timeout=600)
+    results = run_cases(_all_cases(), WORLD, PER_NODE, timeout=600)
     refs = {v: reference_training(WORLD, MICRO_BATCHES, STEPS, torch.float32, variant=v)
             for v in ("frozen", "tied")}
     refs["adafactor"] = reference_training(WORLD, MICRO_BATCHES, STEPS, torch.float32,
@@ -129,12 +133,13 @@ def _check_exact(case, ref):
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_frozen_parameters_train_exactly(runs, plan):
     results, refs = runs
-    _check_exact(results[0]["frozen"][plan], refs["frozen"])
+    frozen = results.get(("frozen", plan))
+    _check_exact(frozen[0], refs["frozen"])
     # frozen weights did not move
     start = make_model(torch.float32, variant="frozen")
     for name, param in start.named_parameters():
         if not param.requires_grad:
-            assert torch.equal(results[0]["frozen"][plan]["weights"][name], param.detach()), name
+            assert torch.equal(frozen[0]["weights"][name], param.detach()), name
 
 
 def _elements(params, s):
@@ -152,8 +157,9 @@ def test_frozen_parameters_hold_p_but_no_g_or_os(runs, plan):
     units.append([p for p in model.parameters() if id(p) not in in_blocks])
     trainable = [[p for p in u if p.requires_grad] for u in units]
     every = [p for u in units for p in u]
-    for rank, result in enumerate(results):
-        mem = result["frozen"][plan]["memory"]
+    frozen = results.get(("frozen", plan))
+    for rank, result in enumerate(frozen):
+        mem = result["memory"]
         # P: every parameter, frozen ones included (FSDP's padded shard; whole if s_p = 1)
         assert mem["param"] == 4 * _elements(every, s_p), (rank, mem)
         # G (read after the first, no_sync micro-batch): trainable parameters only
@@ -161,16 +167,14 @@ def test_frozen_parameters_hold_p_but_no_g_or_os(runs, plan):
     # OS: one shard group holds exactly the 2 AdamW states of the trainable parameters (fp32
     # params: the P shard is the master)
     phi_trainable = sum(p.numel() for u in trainable for p in u)
-    assert sum(results[r]["frozen"][plan]["memory"]["optim"] for r in range(s_os)) == 8 * phi_trainable
+    assert sum(frozen[r]["memory"]["optim"] for r in range(s_os)) == 8 * phi_trainable
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_tied_weights_in_two_units_are_refused(runs, plan):
     results, _ = runs
-    for result in results:
-        messages = result["tied_split"][plan]
-        for separate, other in (("output", "tok_embeddings"), ("tok_embeddings", "output")):
-            message = messages[separate]
+    for separate, other in (("output", "tok_embeddings"), ("tok_embeddings", "output")):
+        for message in results.get(("tied_split", plan, separate)):
             assert message is not None and message.startswith("tied parameters:"), message
             assert f"'{other}.weight'" in message and f"'{separate}'" in message, message
             assert "\n" not in message
@@ -179,26 +183,26 @@ def test_tied_weights_in_two_units_are_refused(runs, plan):
 @pytest.mark.parametrize("plan", TIED_EXACT_PLANS, ids=[f"p{a}-g{b}-os{c}" for a, b, c in TIED_EXACT_PLANS])
 def test_tied_weights_in_one_unit_train_exactly(runs, plan):
     results, refs = runs
-    case = results[0]["tied"][plan]
+    case = results.get(("tied", plan))[0]
     _check_exact(case, refs["tied"])
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_adafactor_trains_exactly(runs, plan):
     results, refs = runs
-    case = results[0]["adafactor"][plan]
+    by_rank = results.get(("adafactor", plan))
+    case = by_rank[0]
     _check_exact(case, refs["adafactor"])
     start = make_model(torch.float32)
     moved = max((case["weights"][n] - p.detach()).abs().max().item() for n, p in start.named_parameters())
     assert moved > 1e-3, moved  # it trained (so agreement is not two idle runs)
-    for other in results[1:]:
-        assert other["adafactor"][plan]["losses"] == case["losses"]
+    for other in by_rank[1:]:
+        assert other["losses"] == case["losses"]
 
 
 def test_adafactor_state_moves_between_plans(runs):
     results, _ = runs
-    for result in results:
-        moved = result["adafactor_moved"]
+    for moved in results.get("adafactor_moved"):
         # the two plans sum grads in different orders: fp32 drift only
         for a, b in zip(moved["target"], moved["source"]):
             assert abs(a - b) / abs(b) <= 1e-5, moved
@@ -206,7 +210,7 @@ def test_adafactor_state_moves_between_plans(runs):
 
 def test_optimizers_outside_the_elementwise_list_are_refused(runs):
     results, _ = runs
-    for result in results:
-        for name, message in result["optimizers"].items():
+    for messages in results.get("optimizers"):
+        for name, message in messages.items():
             assert message is not None, name
             assert name in message and "elementwise" in message and "\n" not in message, message

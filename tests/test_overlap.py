@@ -2,7 +2,8 @@
 plan at 4 CPU ranks (2 nodes x 2), units cut as torchtitan cuts them (embeddings, each
 block, [norm, output]), trained with every overlap off and with every overlap on. Losses
 and weights are bit-identical, match single-process training, and the recorded schedule
-is the cost model's. One process group for the whole module."""
+is the cost model's. One process group for the whole module, each (plan, config) one case
+of it."""
 
 import math
 
@@ -15,8 +16,7 @@ from amsp_dtensor.observe.recorder import CommEvent, overlap_summary
 from amsp_dtensor.plan import ShardingPlan
 from amsp_dtensor.testing.scenarios import reference_training
 from amsp_dtensor.testing.tiny_llama import TinyLlama
-from engine_cases import rel_diff
-from engine_checks import TOLERANCE
+from engine_cases import TOLERANCE, rel_diff
 from overlap_cases import MICRO_BATCHES, PER_NODE, PLANS, STEPS, WORLD, run_overlap_cases
 
 IDS = [f"p{p}-g{g}-os{o}" for p, g, o in PLANS]
@@ -34,7 +34,7 @@ def reference():
 
 @pytest.mark.parametrize("plan", PLANS, ids=IDS)
 def test_bit_identical_with_overlaps_on_and_off(runs, plan):
-    off, on = runs[(plan, "none")][0], runs[(plan, "all")][0]
+    off, on = runs.get((plan, "none"))[0], runs.get((plan, "all"))[0]
     assert off["losses"] == on["losses"]
     assert off["weights"].keys() == on["weights"].keys()
     for name, weight in off["weights"].items():
@@ -43,7 +43,7 @@ def test_bit_identical_with_overlaps_on_and_off(runs, plan):
 
 @pytest.mark.parametrize("plan", PLANS, ids=IDS)
 def test_overlapped_training_matches_single_process(runs, reference, plan):
-    got = runs[(plan, "all-clip")][0]
+    got = runs.get((plan, "all-clip"))[0]
     assert rel_diff(got["losses"], reference["losses"]) <= TOLERANCE["fp32"]
     assert rel_diff(got["norms"], reference["norms"]) <= TOLERANCE["fp32"]
     for name, weight in reference["weights"].items():
@@ -61,7 +61,7 @@ def test_schedule_equals_cost_model(runs, plan):
         model, [model.tok_embeddings, *model.layers, [model.norm, model.output]])
     assert root is None
     kept = len(units) - 1
-    for rank, result in enumerate(runs[(plan, "all")]):
+    for rank, result in enumerate(runs.get((plan, "all"))):
         diffs = schedule_differences(resolved, units, MICRO_BATCHES, 4, [kept],
                                      result["events"], clip=False)
         assert diffs == [], (rank, diffs)
@@ -87,9 +87,10 @@ def test_last_gradient_stages_stay_in_flight_until_step(runs, plan):
         expected = 1
     else:
         expected = 0
+    all_on, all_off = runs.get((plan, "all")), runs.get((plan, "none"))
     for rank in range(WORLD):
-        on = runs[(plan, "all")][rank]["in_flight_after_backward"]
-        off = runs[(plan, "none")][rank]["in_flight_after_backward"]
+        on = all_on[rank]["in_flight_after_backward"]
+        off = all_off[rank]["in_flight_after_backward"]
         assert off == [0] * STEPS
         assert on == [expected] * STEPS, (rank, on)
 
@@ -99,7 +100,7 @@ def test_recorded_wait_times(runs, plan):
     """Every recorded collective has 0 <= blocked <= issue-to-completion;
     with every overlap off each of the engine's own collectives is waited for at once."""
     for config in ("none", "all"):
-        for result in runs[(plan, config)]:
+        for result in runs.get((plan, config)):
             assert result["timings"], config
             for seconds, blocked in result["timings"]:
                 assert 0 <= blocked <= seconds, (config, seconds, blocked)
@@ -116,7 +117,7 @@ def test_overlap_summary_formula():
 
 
 def test_misuse_messages(runs):
-    errors = runs["errors"][0]
+    errors = runs.get("errors")[0]
     assert errors["same module twice"] == ("ValueError",
                                            "fully_shard got the same module twice in one list")
     assert errors["nested modules"][0] == "ValueError"
