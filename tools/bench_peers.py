@@ -179,7 +179,8 @@ class DeepSpeedSystem(S.System):
         ours = S.build_model(model_args, seed)
         if zero["stage"] == 3:
             init = (deepspeed.zero.MiCS_Init if mics else deepspeed.zero.Init)
-            with init(config_dict_or_path=cfg):
+            group = {"zero_param_parallel_group": hpz_groups[hpz]} if hpz in hpz_groups else {}
+            with init(config_dict_or_path=cfg, **group):
                 model = S.build_model(model_args, seed)
             # zero.Init / MiCS_Init draw their own initial values: copy ours in
             with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
