@@ -101,8 +101,7 @@ def possible_picks(args, world: int, rpn: int, models: list) -> set[str]:
 
 def planner_data(data: dict) -> dict:
     """The planner beside the measurement: its memory estimate of every AMSP plan, and its
-    pick at every cap per time model (profile, alpha-beta, the first with a fitted
-    reserve, and with budgets at the mid-point between caps). The reserve is 0: the peaks
+    pick at every cap per time model (profile, alpha-beta). The reserve is 0: the peaks
     are measured above the in-use bytes before each build, so the runtime a reserve stands
     for is outside them."""
     from amsp_dtensor.plan.cost.planner import NoPlanFits
@@ -118,22 +117,13 @@ def planner_data(data: dict) -> dict:
     rows = R.summarize(data)
     gaps = [r["peak"] - estimates[r["key"][5:]] for r in rows
             if r["family"] == "amsp" and r["key"][5:] in estimates]
-    fitted = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    caps = R.select_caps(rows, data.get("cap_mode", "peaks"))
-    mids = {c: (c + n) / 2 for c, n in zip(caps, caps[1:])}
-    name, desc, first = models[0]
-    models = [(n, d, m, 0.0, False) for n, d, m in models] + [
-        (f"{name}, fitted reserve", f"{desc}; reserve {fitted / R.MB:.1f} MB (the median of "
-         "measured peak - estimate, at least 0)", first, fitted, False),
-        (f"{name}, mid-point budgets", f"{desc}; budget = the mid-point between this cap and "
-         "the next", first, 0.0, True)]
+    caps = R.select_caps(rows)
     variants = []
-    for n, d, model, reserve, mid in models:
+    for n, d, model in models:
         picks = {}
         for cap in caps:
             try:
-                picks[repr(cap)] = planner_choice(args, world, rpn, mids.get(cap, cap) if mid
-                                                  else cap, model, reserve)[0]
+                picks[repr(cap)] = planner_choice(args, world, rpn, cap, model)[0]
             except NoPlanFits:
                 picks[repr(cap)] = None
         variants.append({"name": n, "desc": d, "picks": picks})
@@ -233,7 +223,6 @@ def frontier(args, argv: list[str]) -> int:
 
 def render_frontier(data: dict, args) -> int:
     meta = data["meta"]
-    data["cap_mode"] = args.caps
     data["planner"] = planner_data(data)
     png = Path(args.png_dir) / f"frontier_{meta['nodes']}x{meta['ranks_per_node']}.png"
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -282,10 +271,8 @@ def overlap(args, argv: list[str]) -> int:
 
 
 def render_overlap(runs: list[dict], command: str, args) -> int:
-    png = Path(args.png_dir) / "overlap.png"
-    R.overlap_chart(runs, str(png))
     doc = Path(args.doc)
-    sec = R.overlap_section(runs, command, os.path.relpath(png, doc.parent))
+    sec = R.overlap_section(runs, command)
     doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, overlap=sec))
     return 0
 
@@ -304,7 +291,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", default="all", help="frontier: configuration keys, or 'all'")
     ap.add_argument("--plans", default="p1-g1-os2", help="overlap: AMSP plans beside the "
                     "planner's")
-    ap.add_argument("--caps", default="peaks", choices=("peaks", "grid"))
     ap.add_argument("--no-profile", action="store_true",
                     help="no bandwidth profile before the sweep (the planner then uses "
                          "alpha-beta at the link rate only)")

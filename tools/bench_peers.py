@@ -1,27 +1,22 @@
 """The peers: DeepSpeed ZeRO and Megatron-FSDP, through their public APIs, on CPU and gloo.
 
-Installed by ``python -m tools.bench install-peers`` into runs/peers/ (pip --target, with
---no-deps so that torch stays the one installed): DeepSpeed 0.19.8 and Megatron-FSDP 0.6.1
-for every peer but MiCS, which DeepSpeed removed in 0.19.7 and so runs on 0.19.6 in a
-process set of its own (``ENVS``). A peer that is not installed is skipped by the launcher.
+``python -m tools.bench install-peers`` puts DeepSpeed 0.19.8 and Megatron-FSDP 0.6.1
+under runs/peers/ (pip --target --no-deps: torch stays the one installed), and DeepSpeed
+0.19.6 for MiCS, which 0.19.7 removed: MiCS runs in a process set of its own (``ENVS``).
 
   ds_z1, ds_z2, ds_z3   DeepSpeed ZeRO stage 1 / 2 / 3 (stage 3 built under zero.Init)
   ds_hpz:<s>            ZeRO-3 + ZeRO++ hpZ, zero_hpz_partition_size = s
   ds_mics:<s>           MiCS (MiCS_Init), mics_shard_size = s
   mfsdp_z3              Megatron-FSDP fully_shard, zero_dp_strategy 3, units = the blocks
-  mfsdp_hfsdp:<s>       its hybrid mode: shard groups of s ranks, optimizer states sharded
-                        over the outer (replica) dimension too (outer_dp_sharding_strategy 1)
+  mfsdp_hfsdp:<s>       its hybrid mode: shard groups of s ranks, optimizer states also
+                        sharded over the outer dimension (outer_dp_sharding_strategy 1)
 
-Each runs with the settings its documentation recommends for the size: DeepSpeed with
-overlap_comm and the model-size rules of its "auto" values (reduce bucket = hidden^2,
-stage-3 prefetch bucket = 0.9 hidden^2, persistence threshold = 10 hidden), Megatron-FSDP
-with its defaults (overlapped gather and reduce, one bucket per unit). The optimizer is the
-same torch AdamW as ours, passed in as the client optimizer; the initial weights are ours
-(copied in where zero.Init / MiCS_Init drew their own).
-
-Every change to a peer's behaviour that the CPU, gloo or this harness needs is in
-``_cpu_fixes`` and ``_CudaShim``, each with the error it answers and the version it was
-seen on.
+Settings as their documentation recommends for the size: DeepSpeed with overlap_comm and
+the model-size rules of its "auto" values (reduce bucket hidden^2, stage-3 prefetch
+bucket 0.9 hidden^2, persistence threshold 10 hidden); Megatron-FSDP with its defaults.
+The optimizer is our torch AdamW, as client optimizer; the initial weights are ours.
+Every change the CPU, gloo or this harness needs is in ``_cpu_fixes`` and ``_CudaShim``,
+each with the error it answers and the version it was seen on.
 """
 
 from __future__ import annotations

@@ -76,7 +76,6 @@ def summarize(data: dict) -> list[dict]:
         comm = first.get("comm") or {}
         amsp = key.startswith("amsp")
         measured = (comm.get("recorder") if amsp else None) or comm.get("counted") or {}
-        predicted = first.get("predicted")
         states = [s for s in first.get("state_bytes_per_rank") or [] if s]
         rows.append({
             "key": key, "family": family(key), "label": label(key, rpn),
@@ -88,8 +87,7 @@ def summarize(data: dict) -> list[dict]:
             "state_parts": states[0] if states else None,
             "reported": next((x for x in first.get("reported_bytes_per_rank") or [] if x), None),
             "inter": measured.get("inter"), "intra": measured.get("intra"),
-            "wire": wire_inter(comm, amsp), "predicted": predicted,
-            "match": predicted is not None and predicted == measured,
+            "wire": wire_inter(comm, amsp),
             "losses": first["losses"],
             "waited": _maxed(first.get("waited_s_per_rank"), "in_step"),
             "waited_after": _maxed(first.get("waited_s_per_rank"), "after_step"),
@@ -115,28 +113,16 @@ def loss_check(rows: list[dict]) -> dict:
 # ---------------------------------------------------------------- the frontier
 
 
-def select_caps(rows: list[dict], mode: str = "peaks", n: int = 12) -> list[float]:
-    """Memory caps, ascending. "peaks": every distinct measured peak (peaks within 1 kB of
-    the previous one are one cap, the largest of them, so that all of them fit it);
-    "grid": n caps spaced geometrically from the smallest to the largest peak (the ends
-    are the peaks themselves, so every configuration fits some cap)."""
-    peaks = sorted(r["peak"] for r in rows)
-    if not peaks:
-        return []
-    if mode == "peaks":
-        caps: list[float] = []
-        for p in peaks:
-            if caps and p - caps[-1] <= 1e3:
-                caps[-1] = p
-            else:
-                caps.append(p)
-        return caps
-    if mode == "grid":
-        lo, hi = peaks[0], peaks[-1]
-        if n < 2 or hi <= lo:
-            return [hi]
-        return [lo, *(lo * (hi / lo) ** (i / (n - 1)) for i in range(1, n - 1)), hi]
-    raise ValueError(f"cap mode {mode!r}: use 'peaks' or 'grid'")
+def select_caps(rows: list[dict]) -> list[float]:
+    """Memory caps, ascending: every distinct measured peak (peaks within 1 kB of the
+    previous one are one cap, the largest of them, so that all of them fit it)."""
+    caps: list[float] = []
+    for p in sorted(r["peak"] for r in rows):
+        if caps and p - caps[-1] <= 1e3:
+            caps[-1] = p
+        else:
+            caps.append(p)
+    return caps
 
 
 def best_under(rows: list[dict], cap: float, families=tuple(FAMILIES)) -> dict | None:
@@ -276,15 +262,11 @@ def family_table(fr: list[dict]) -> str:
 def config_table(rows: list[dict], estimates: dict) -> str:
     lines = ["| configuration | tokens/s median (min-max) | reps x timed steps | step s | "
              "peak MB/rank | planner estimate MB | states MB/rank (P/G/OS) | inter-node "
-             "MB/step | MB sent/rank across nodes (ring) | intra-node MB/step | model "
-             "predicts | AMSP waited s/step | loss, last step | max abs loss diff |",
-             "|" + "---|" * 14]
+             "MB/step | MB sent/rank across nodes (ring) | intra-node MB/step | AMSP waited "
+             "s/step | loss, last step | max abs loss diff |", "|" + "---|" * 13]
     for r in sorted(rows, key=lambda r: r["peak"]):
         parts = r["state_parts"] or {}
         est = estimates.get(r["key"].split(":", 1)[1]) if r["family"] == "amsp" else None
-        pred = "n/a" if not r["predicted"] else ("=" if r["match"] else
-                                                 f"{_mb(r['predicted']['inter'])} / "
-                                                 f"{_mb(r['predicted']['intra'])}")
         waited = "n/a" if r["waited"] is None else f"{r['waited']:.3f}" + (
             f" (+{r['waited_after']:.3f})" if r["waited_after"] else "")
         lines.append(
@@ -292,7 +274,7 @@ def config_table(rows: list[dict], estimates: dict) -> str:
             f"{r['reps']} x {r['steps']} | {r['step_s']:.3f} | {r['peak'] / MB:.1f} | "
             f"{_mb(est)} | {_mb(r['state'])} ({_mb(parts.get('param'))}/"
             f"{_mb(parts.get('grad'))}/{_mb(parts.get('optim'))}) | {_mb(r['inter'])} | "
-            f"{_mb(r['wire'])} | {_mb(r['intra'])} | {pred} | {waited} | "
+            f"{_mb(r['wire'])} | {_mb(r['intra'])} | {waited} | "
             f"{r['losses'][-1]:.5f} | {r.get('loss_diff', 0.0):.1e} |")
     return "\n".join(lines)
 
@@ -363,7 +345,7 @@ def section(data: dict, command: str, png_name: str) -> str:
     meta, a = data["meta"], data["meta"]["args"]
     rows = summarize(data)
     loss = loss_check(rows)
-    caps = select_caps(rows, data.get("cap_mode", "peaks"))
+    caps = select_caps(rows)
     fr = frontier(rows, caps)
     planner = data.get("planner") or {}
     variants = planner.get("variants") or [{"name": "none", "desc": "not run", "picks": {}}]
@@ -483,35 +465,7 @@ def overlap_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def overlap_chart(runs: list[dict], png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(runs), figsize=(7.5 * len(runs), 6.5), squeeze=False)
-    for ax, data in zip(axes[0], runs):
-        rows = overlap_rows(data)
-        x = range(len(rows))
-        noop, real, serial = ([r[m]["med"] for r in rows] for m in ("noop", "real", "serial"))
-        exposed = [max(0.0, a - b) for a, b in zip(real, noop)]
-        ax.bar(x, noop, color="tab:gray", label="compute (T_noop)")
-        ax.bar(x, exposed, bottom=noop, color="tab:red", label="exposed comm (T_real - T_noop)")
-        ax.bar(x, [max(0.0, s - a) for s, a in zip(serial, real)],
-               bottom=[n + e for n, e in zip(noop, exposed)], color="tab:green", alpha=0.6,
-               label="hidden comm (T_serial - T_real)")
-        ax.scatter(x, serial, marker="_", s=200, color="black", zorder=3, label="T_serial")
-        ax.set_xticks(list(x))
-        ax.set_xticklabels([r["label"] for r in rows], rotation=70, fontsize=7)
-        ax.set_ylabel("seconds per training step (median over repetitions)")
-        ax.set_title(data["meta"].get("link_short", ""), fontsize=9)
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-
-
-def overlap_section(runs: list[dict], command: str, png_name: str = "overlap.png") -> str:
+def overlap_section(runs: list[dict], command: str) -> str:
     first = runs[0]["meta"]
     a = first["args"]
     parts = [OVERLAP[0], "", "## Overlap ablation: how much communication is hidden", "",
@@ -529,7 +483,7 @@ def overlap_section(runs: list[dict], command: str, png_name: str = "overlap.png
         meta = data["meta"]
         parts += [f"### {meta.get('bw', '')}: {meta.get('link_short', '')}", "",
                   f"Run wall time {meta['wall_s']:.0f} s.", "", overlap_table(data), ""]
-    parts += [f"![overlap ablation]({png_name})", "", OVERLAP[1]]
+    parts.append(OVERLAP[1])
     return "\n".join(parts)
 
 

@@ -319,28 +319,3 @@ def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, work
         p = resolve_plan(plan, meshes.world, meshes.rpn)
         return AMSPSystem(model, lr, p, meshes.amsp_mesh(p), switches or "all_on")
     raise ValueError(f"unknown configuration {key!r}")
-
-
-def predicted_bytes(key: str, model, world: int, rpn: int, micro_batches: int):
-    """The cost model's bytes per step for the torch-built configurations (the planner's
-    schedule formulas); None for the peers, whose schedules it does not model."""
-    from amsp_dtensor.plan import ShardingPlan
-    from amsp_dtensor.plan.cost.check import unit_param_shapes_of
-    from amsp_dtensor.plan.cost.comm import bytes_by_locality, predicted_events
-
-    head, _, arg = key.partition(":")
-    rs = {"zero3_keep": False, "hpz": rpn}.get(head, True)
-    if head == "amsp":
-        plan = resolve_plan(arg.partition("/")[0], world, rpn)
-        units = [[tuple(p.shape) for m in (u if isinstance(u, list) else [u])
-                  for p in m.parameters()] for u in amsp_units(model)]
-        root = len(units) - 1  # [norm, output] keeps its params: the cost model's root unit
-    elif head in ("ddp", "zero3", "zero3_keep", "hpz", "hsdp"):
-        spec = {"ddp": 1, "hsdp": int(arg or 1)}.get(head, world)
-        plan = ShardingPlan(spec, spec, spec).resolve(world, rpn)
-        units, root = unit_param_shapes_of(model, blocks_of(model))
-    else:
-        return None
-    events = predicted_events(plan, units, micro_batches, 4, root, reshard_after_forward=rs,
-                              clip=False)
-    return bytes_by_locality(events)

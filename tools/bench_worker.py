@@ -16,6 +16,7 @@ Rank 0 writes {"meta", "results"}: one ``Result`` per run and repetition.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -39,7 +40,6 @@ class Result:
     reported_bytes_per_rank: list[dict | None]  # what the system itself reports (peers)
     waited_s_per_rank: list[dict | None]        # AMSP: time blocked in collectives
     comm: dict | None = None          # the recorded step's collectives (rep 0, real)
-    predicted: dict | None = None     # the cost model's bytes per step (rep 0)
     wall_s: float = 0.0
 
 
@@ -180,10 +180,10 @@ class Worker:
                 starts.append(time.perf_counter() if mode == "noop" or not ends else ends[-1])
                 rec_cm = system.amsp.record_comms() if amsp and last and mode == "real" else None
                 rec = rec_cm.__enter__() if rec_cm else None
-                per_op = mem.every_op() if record and s < warmup else _null()
-                with self.counter.recording() if record and last else _null(), per_op:
+                per_op = mem.every_op() if record and s < warmup else contextlib.nullcontext()
+                with self.counter.recording() if record and last else contextlib.nullcontext(), per_op:
                     losses.append(system.train_step(
-                        data[s], probe=mem.sample, before_step=grab if record and last else _nop))
+                        data[s], probe=mem.sample, before_step=grab if record and last else lambda: None))
                     ends.append(time.perf_counter())
                     n_in_step = len(rec.events) if rec else 0
                     system.finish()  # (after the timer) lands in this step's record
@@ -210,10 +210,6 @@ class Worker:
         dist.all_reduce(lt)
         per_rank = [None] * self.world
         dist.all_gather_object(per_rank, (mem.peak_delta, held["state"], held["reported"], waited))
-        predicted = None
-        if record:
-            model = S.build_model(self.model_args, a.seed)
-            predicted = S.predicted_bytes(key, model, self.world, self.rpn, a.micro_batches)
         system.close()
         del system, inner
         gc.collect()
@@ -224,17 +220,7 @@ class Worker:
                       state_bytes_per_rank=[r[1] for r in per_rank],
                       reported_bytes_per_rank=[r[2] for r in per_rank],
                       waited_s_per_rank=[r[3] for r in per_rank], comm=comm,
-                      predicted=predicted, wall_s=time.time() - t_build)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _nop():
-    pass
+                      wall_s=time.time() - t_build)
 
 
 def machine_facts() -> str:
