@@ -170,6 +170,12 @@ def test_targets_say_met_or_missed_with_numbers_and_the_loss_gaps():
     assert "at one cap or more: met at 1 cap(s); highest 1.60x at 73.0 MB (AMSP p2-g2-os4 " \
            "500 vs FSDP2 keep 312 tokens/s)" in text
     assert "0 of 8 caps" in text and "agree within 1e-05); the peers' largest: 3.0e-07" in text
+    rows[5]["losses"] = [8.0, 7.5 + 4e-5]  # Megatron-FSDP off by more than the tolerance
+    loss = R.loss_check(rows)
+    assert not loss["ok"] and loss["over"] == [("MFSDP ZeRO-3", pytest.approx(4e-5))]
+    assert "DISAGREE within 1e-05); the peers' largest: 4.0e-05; over the tolerance, so not " \
+           "the same training: MFSDP ZeRO-3 (4.0e-05)." in "\n".join(R.targets(rows, fr, prows,
+                                                                               loss))
     amsp_only = [r for r in rows if r["family"] == "amsp"]
     fr = R.frontier(amsp_only, R.select_caps(amsp_only))
     prows = R.planner_rows(amsp_only, fr, {repr(f["cap"]): None for f in fr})

@@ -107,7 +107,8 @@ def loss_check(rows: list[dict]) -> dict:
             worst, worst_key = r["loss_diff"], r["key"]
     peers = [r["loss_diff"] for r in rows if r["family"] in PEERS]
     return {"reference": ref["key"], "losses": ref["losses"], "max_diff": worst,
-            "worst": worst_key, "ok": worst <= LOSS_TOL, "peers_max": max(peers, default=None)}
+            "worst": worst_key, "ok": worst <= LOSS_TOL, "peers_max": max(peers, default=None),
+            "over": [(r["label"], r["loss_diff"]) for r in rows if r["loss_diff"] > LOSS_TOL]}
 
 
 # ---------------------------------------------------------------- the frontier
@@ -336,7 +337,9 @@ def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> 
                  f"largest |loss - {loss['reference']}'s| = {loss['max_diff']:.1e} "
                  f"({loss['worst']}; {'agree' if loss['ok'] else 'DISAGREE'} within "
                  f"{LOSS_TOL:.0e})" + (f"; the peers' largest: {loss['peers_max']:.1e}"
-                                       if loss["peers_max"] is not None else "") + ".")
+                                       if loss["peers_max"] is not None else "")
+                 + ("; over the tolerance, so not the same training: " + ", ".join(
+                     f"{k} ({d:.1e})" for k, d in loss["over"]) if loss["over"] else "") + ".")
     return lines
 
 
