@@ -242,14 +242,14 @@ def test_sweep_schedule_and_the_options_the_workers_get():
     assert S.shard_sizes(4, 2) == [2] and S.shard_sizes(8, 2) == [2, 4]
     assert S.shard_sizes(16, 4) == [2, 4, 8]
     keys = S.sweep(4, 2)
-    assert keys[:5] == ["ddp", "zero3", "zero3_keep", "hsdp:2", "hpz"]
-    assert keys[5:13] == ["ds_z1", "ds_z2", "ds_z3", "ds_hpz:2", "ds_mics:2", "mfsdp_z3",
+    assert keys[:4] == ["ddp", "zero3", "zero3_keep", "hsdp:2"]
+    assert keys[4:12] == ["ds_z1", "ds_z2", "ds_z3", "ds_hpz:2", "ds_mics:2", "mfsdp_z3",
                           "mfsdp_hfsdp:2", "amsp:p1-g1-os1"]
     assert len([k for k in keys if k.startswith("amsp:")]) == 9
     keys8 = S.sweep(8, 2)
     assert {"hsdp:4", "ds_mics:4", "mfsdp_hfsdp:4"} <= set(keys8) and "ds_hpz:4" not in keys8
     assert len([k for k in keys8 if k.startswith("amsp:")]) == 16
-    assert {S.family(k) for k in keys8} == set(S.FAMILIES)
+    assert {S.family(k) for k in keys8} == set(S.FAMILIES) and S.family("hpz") == "fsdp2"
     args = B.parser().parse_args(["frontier", "--steps-for", "c=1", "--reps-for", "b=1",
                                   "--warmup-later", "1", "--prune", "0.1", "--keep", "a"])
     again = argparse_roundtrip(W, args)

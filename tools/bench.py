@@ -156,13 +156,19 @@ def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None 
         if not out.exists():
             raise SystemExit(f"the {env} process set failed (exit {rc}); no report written")
         data = json.loads(out.read_text())
+        if not data["meta"].get("complete", True):
+            print(f"the {env} process set stopped (exit {rc}) after {len(data['results'])} "
+                  "runs; reporting those", file=sys.stderr)
+            data["meta"]["incomplete"] = [f"{env} set stopped (exit {rc}) after "
+                                          f"{len(data['results'])} runs"]
         if merged is None:
             merged = data
         else:
             merged["results"] += data["results"]
-            for k in ("configs", "pruned"):
-                merged["meta"][k] += data["meta"][k]
+            for k in ("configs", "pruned", "incomplete"):
+                merged["meta"][k] = merged["meta"].get(k, []) + data["meta"].get(k, [])
             merged["meta"]["wall_s"] += data["meta"]["wall_s"]
+            merged["meta"]["loadavg"] += data["meta"]["loadavg"]
     return merged
 
 
@@ -286,7 +292,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--bw", default="1gbit", help="inter-node link rate (tc syntax); overlap: "
                     "a comma list, one run each")
     ap.add_argument("--no-netns", action="store_true", help="loopback only, no shaping")
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per process set")
+    ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per process set")
     W.add_workload_args(ap)
     ap.add_argument("--configs", default="all", help="frontier: configuration keys, or 'all'")
     ap.add_argument("--plans", default="p1-g1-os2", help="overlap: AMSP plans beside the "

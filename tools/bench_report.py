@@ -375,6 +375,13 @@ def section(data: dict, command: str, png_name: str) -> str:
                 if meta.get("pruned") else "")
              + f". Sweep wall time {meta['wall_s']:.0f} s.",
              ]
+    if meta.get("loadavg"):
+        parts.append(f"- 1-minute load average at the start and end of each process set: "
+                     f"{', '.join(f'{x:.1f}' for x in meta['loadavg'])} (its own {meta['world']} "
+                     "ranks count about as many; more means other work shared the cores).")
+    if meta.get("incomplete"):
+        parts.append("- Stopped by the timeout, results so far: " + "; ".join(meta["incomplete"])
+                     + ".")
     if meta.get("skipped"):
         parts.append("- Not installed here, skipped: " + "; ".join(meta["skipped"]) + ".")
     if meta.get("profile_command"):

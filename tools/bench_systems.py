@@ -50,7 +50,9 @@ def sweep(world: int, rpn: int) -> list[str]:
     from amsp_dtensor.plan import enumerate_plans
 
     sizes = shard_sizes(world, rpn)
-    keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes], "hpz"]
+    # FSDP2 with reshard_after_forward = ranks per node ("hpz") stood in for ZeRO++ hpZ,
+    # which the sweep now runs for real: it is a key of its own, no longer swept
+    keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes]]
     keys += ["ds_z1", "ds_z2", "ds_z3", *[f"ds_hpz:{s}" for s in sizes if s <= rpn]]
     keys += [f"ds_mics:{s}" for s in sizes]
     keys += ["mfsdp_z3", *[f"mfsdp_hfsdp:{s}" for s in sizes]]

@@ -254,7 +254,24 @@ def main(argv=None) -> int:
     tokens = w.world * args.micro_batch * args.micro_batches * args.seq
     results: list[Result] = []
     pruned: list[str] | None = None
-    t_start = time.time()
+    t_start, load_start = time.time(), os.getloadavg()[0]
+    n_params = sum(p.numel() for p in w.S.build_model(w.model_args, args.seed).parameters())
+
+    def write(done: bool) -> None:
+        """Rank 0's results so far (rewritten after every run, so that a run stopped by the
+        launcher's timeout still leaves the repetitions it finished)."""
+        meta = {"args": vars(args), "world": w.world, "ranks_per_node": w.rpn,
+                "nodes": w.world // w.rpn, "configs": runs,
+                "model": {"flavor": args.flavor, "params": n_params},
+                "tokens_per_step": tokens, "pruned": pruned or [], "kept": sorted(keep),
+                "setup": setup, "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
+                "machine": machine_facts(), "wall_s": time.time() - t_start, "complete": done,
+                "loadavg": [load_start, os.getloadavg()[0]]}
+        with open(args.out + ".tmp", "w") as f:
+            json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f,
+                      indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
     for rep, key, mode, steps in schedule(runs, args):
         if rep > 0 and pruned is None:
             pruned = dominated([r for r in results if r.rep == 0 and r.mode == "real"],
@@ -271,18 +288,9 @@ def main(argv=None) -> int:
                   f"{st[len(st) // 2]:.3f}s peak {max(r.peak_bytes_per_rank) / 1e6:.1f} MB loss "
                   f"{r.losses[-1]:.5f} ({r.wall_s:.1f}s, total {time.time() - t_start:.0f}s)",
                   flush=True)
+            write(done=False)
     if w.rank == 0:
-        n_params = sum(p.numel() for p in w.S.build_model(w.model_args, args.seed).parameters())
-        meta = {"args": vars(args), "world": w.world, "ranks_per_node": w.rpn,
-                "nodes": w.world // w.rpn, "configs": runs,
-                "model": {"flavor": args.flavor, "params": n_params},
-                "tokens_per_step": tokens, "pruned": pruned or [], "kept": sorted(keep),
-                "setup": setup, "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
-                "machine": machine_facts(), "wall_s": time.time() - t_start,
-                "loadavg": [os.getloadavg()[0]]}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f,
-                      indent=1)
+        write(done=True)
     dist.destroy_process_group()
     return 0
 
