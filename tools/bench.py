@@ -4,15 +4,9 @@
     flock /tmp/amsp_cpu.lock python -m tools.bench overlap --bw 1gbit,200mbit
     python -m tools.bench install-peers        # DeepSpeed, Megatron-FSDP under runs/peers/
 
-``frontier`` runs tools/bench_worker on the emulated nodes (tools/cluster) for every
-configuration of tools/bench_systems.sweep (the peers that are installed; each missing
-one is skipped with one line), asks the planner for its pick at every memory cap, keeps
-the raw results in runs/bench/ and rewrites docs/benchmarks.md: the header, this scale's
-section and docs/frontier_<N>x<R>.png (other sections are kept). ``overlap`` times AMSP's
-overlap switches and FSDP2's ZeRO-3 / HSDP in real, noop and serial comm modes and
-rewrites the overlap section. ``--from-json FILE`` re-renders without running;
-``--no-netns`` runs on plain loopback. ``python -m tools.bench_frontier`` and
-``python -m tools.bench_overlap`` are the two subcommands under their older names.
+Results go to runs/bench/, the sections and charts to docs/benchmarks.md (other sections
+kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_frontier`` /
+``tools.bench_overlap`` are the two subcommands under their older names.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Every torch.distributed collective of a step, counted and optionally faked.
 
-The systems compared are other people's code (DDP, FSDP2, DeepSpeed, Megatron-FSDP), which
-the AMSP recorder does not see, so the Python entry points they all go through are wrapped
-once per process, in ``torch.distributed`` and in ``distributed_c10d`` (the deprecated
-``*_into_tensor`` / ``*_tensor`` forms forward to ``*_single`` there, so nothing counts
-twice; callers look the names up at call time). Two things use the wrappers:
-
-- Counting: while ``counter.recording()`` is active, each call adds (op, group size, bytes,
-  crosses nodes) in the AMSP recorder's byte convention (observe/recorder.py): the whole
-  buffer (all-gather output, reduce-scatter input, all-reduce / broadcast / reduce tensor).
-  A group is inter-node when its ranks lie on more than one node (rank // ranks per node).
-- Modes, for the overlap ablation: ``real`` (as issued); ``noop`` (local copies only, same
-  shapes: all-gather copies the input into every chunk, reduce-scatter this rank's chunk;
-  the rest do nothing: the step's time is its compute); ``serial`` (each collective waited
-  right after it is issued: nothing overlaps). The mode is process-wide; switch it only
-  while nothing is in flight, and keep it ``real`` around the harness's own reductions.
+The Python entry points every system's collectives go through are wrapped once per
+process, in ``torch.distributed`` and ``distributed_c10d`` (the deprecated forms forward
+to ``*_single`` there: nothing counts twice). Counting (``counter.recording()``): (op,
+group size, bytes, crosses nodes), bytes in the AMSP recorder's convention (the whole
+buffer). Modes for the overlap ablation: ``real``; ``noop`` (local copies of the same
+shapes: the step's time is its compute); ``serial`` (each collective waited when issued).
+The mode is process-wide: switch it only while nothing is in flight.
 """
 
 from __future__ import annotations

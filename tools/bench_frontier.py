@@ -1,5 +1,4 @@
-"""``python -m tools.bench_frontier ARGS`` is ``python -m tools.bench frontier ARGS``, the
-command docs/benchmarks.md quotes for each scale."""
+"""``python -m tools.bench_frontier ARGS`` = ``python -m tools.bench frontier ARGS``."""
 
 import sys
 

@@ -1,5 +1,4 @@
-"""``python -m tools.bench_overlap ARGS`` is ``python -m tools.bench overlap ARGS``, the
-command docs/benchmarks.md quotes for the overlap ablation."""
+"""``python -m tools.bench_overlap ARGS`` = ``python -m tools.bench overlap ARGS``."""
 
 import sys
 

@@ -1,22 +1,12 @@
 """The configurations the benchmark compares, and the torch-built ones (DDP, FSDP2, AMSP).
 
-A configuration key names one system with its settings; ``sweep`` lists a topology's
-configuration space. Every system gets the same model (torchtitan llama3, same seed), the
-same data, AdamW(lr, weight_decay=0.1), all fp32 (bf16 matmuls are ~20x slower than fp32
-on this AVX2-only CPU), M micro-batches per step:
-
-  ddp            DistributedDataParallel, no_sync() on all but the last micro-batch
-  zero3 / zero3_keep   FSDP2 fully_shard per block + root over the world,
-                 reshard_after_forward True / False
-  hsdp:<s>       FSDP2 on a (world / s, s) mesh: shard groups of s ranks, the replica
-                 all-reduce once per step (set_requires_all_reduce)
-  hpz            FSDP2 over the world, reshard_after_forward = ranks per node (hpZ-like)
-  ds_* / mfsdp_* DeepSpeed and Megatron-FSDP (tools/bench_peers.py)
-  amsp:<plan>    amsp_dtensor.fully_shard on torchtitan's units + AMSPOptimizer;
-                 ``amsp:<plan>/<switches>`` with overlap switches off (the ablation)
-
-FSDP2 gets explicit prefetch of the next block (on CPU there are no streams, so its
-implicit prefetch overlaps nothing) and force-sum reductions (gloo has no PREMUL_SUM).
+A key names a system and its settings (``sweep``: a topology's configuration space):
+``ddp``; FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False),
+``hsdp:<s>`` (shard groups of s ranks, replica all-reduce once per step), ``hpz``
+(reshard to the node); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
+``amsp:<plan>[/<switches off>]``. Same model, seed, data, AdamW, all fp32. FSDP2 gets
+explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
+has no PREMUL_SUM).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""The benchmark's torchrun worker: any configuration's training steps, one typed result each.
+"""The benchmark's torchrun worker: any configuration's steps, one typed ``Result`` each.
 
-    python -m tools.bench_worker --runs ddp,amsp:p2-g2-os4,zero3@noop --out r.json (per rank)
-
-For rep in reps, for each run ``KEY[@MODE]`` (configurations interleaved in every
-repetition): rebuild the system from the same seed, run ``warmup`` untimed steps (in later
-repetitions ``--warmup-later``), then the timed steps, in comm mode MODE (tools/bench_comm:
-real, noop, serial). A step's time is the interval between consecutive step ends, so what a
-step leaves in flight (AMSP's post-step all-gather) is paid where it is waited, as in
-training; in noop mode an untimed real barrier starts each step on all ranks together
-(nothing else makes them wait for each other). In repetition 0 of a real run the warm-up
-steps sample memory after every op and the last timed step records every collective.
-Rank 0 writes {"meta", "results"}: one ``Result`` per run and repetition.
+For rep in reps, for each run ``KEY[@MODE]`` (interleaved): rebuild from the same seed,
+``warmup`` untimed steps (``--warmup-later`` after repetition 0), then the timed steps in
+comm mode MODE. A step's time is the interval between step ends, so what a step leaves in
+flight is paid where it is waited, as in training; in noop mode an untimed barrier starts
+each step. Repetition 0 samples memory after every op in its warm-up steps and records
+the collectives of its last step.
 """
 
 from __future__ import annotations
