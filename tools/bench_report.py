@@ -39,27 +39,6 @@ def _maxed(per_rank, part):
     return max(vals) if vals else None
 
 
-def wire_inter(comm: dict, amsp: bool) -> float | None:
-    """Bytes one rank sends per step in groups that span nodes, ring model ((n-1)/n of the
-    buffer for all-gather / reduce-scatter, 2(n-1)/n for all-reduce): an all-reduce and a
-    reduce-scatter + all-gather of the same buffer send the same bytes."""
-    from amsp_dtensor.plan.cost.comm import ring_factor
-
-    events = comm.get("recorder_events") if amsp else comm.get("counted_events")
-    if events is None:
-        return None
-    total = 0.0
-    for ev in events:
-        if amsp:  # (op, dim, group size, nbytes, inter-node, phase), one per collective
-            op, _dim, n, nbytes, inter, _phase = ev
-            count = 1
-        else:  # (op, group size, nbytes, inter-node, count)
-            op, n, nbytes, inter, count = ev
-        if inter:
-            total += count * nbytes * ring_factor(op if op != "reduce" else "reduce_scatter", n)
-    return total
-
-
 def summarize(data: dict) -> list[dict]:
     """One row per configuration measured in real mode, in run order."""
     meta = data["meta"]
@@ -87,7 +66,6 @@ def summarize(data: dict) -> list[dict]:
             "state_parts": states[0] if states else None,
             "reported": next((x for x in first.get("reported_bytes_per_rank") or [] if x), None),
             "inter": measured.get("inter"), "intra": measured.get("intra"),
-            "wire": wire_inter(comm, amsp),
             "losses": first["losses"],
             "waited": _maxed(first.get("waited_s_per_rank"), "in_step"),
             "waited_after": _maxed(first.get("waited_s_per_rank"), "after_step"),
@@ -263,8 +241,8 @@ def family_table(fr: list[dict]) -> str:
 def config_table(rows: list[dict], estimates: dict) -> str:
     lines = ["| configuration | tokens/s median (min-max) | reps x timed steps | step s | "
              "peak MB/rank | planner estimate MB | states MB/rank (P/G/OS) | inter-node "
-             "MB/step | MB sent/rank across nodes (ring) | intra-node MB/step | AMSP waited "
-             "s/step | loss, last step | max abs loss diff |", "|" + "---|" * 13]
+             "MB/step | intra-node MB/step | AMSP waited s/step | loss, last step | max abs "
+             "loss diff |", "|" + "---|" * 12]
     for r in sorted(rows, key=lambda r: r["peak"]):
         parts = r["state_parts"] or {}
         est = estimates.get(r["key"].split(":", 1)[1]) if r["family"] == "amsp" else None
@@ -275,7 +253,7 @@ def config_table(rows: list[dict], estimates: dict) -> str:
             f"{r['reps']} x {r['steps']} | {r['step_s']:.3f} | {r['peak'] / MB:.1f} | "
             f"{_mb(est)} | {_mb(r['state'])} ({_mb(parts.get('param'))}/"
             f"{_mb(parts.get('grad'))}/{_mb(parts.get('optim'))}) | {_mb(r['inter'])} | "
-            f"{_mb(r['wire'])} | {_mb(r['intra'])} | {waited} | "
+            f"{_mb(r['intra'])} | {waited} | "
             f"{r['losses'][-1]:.5f} | {r.get('loss_diff', 0.0):.1e} |")
     return "\n".join(lines)
 

@@ -42,17 +42,6 @@ def comma_list(spec: str) -> list[str]:
     return [item.strip() for item in spec.split(",") if item.strip()]
 
 
-def parse_counts(spec: str) -> dict[str, int]:
-    """'zero3=1,amsp:p4-g4-os4=1' -> {'zero3': 1, 'amsp:p4-g4-os4': 1}."""
-    out = {}
-    for item in comma_list(spec):
-        key, sep, n = item.rpartition("=")
-        if not sep or not key or not n.isdigit() or int(n) < 1:
-            raise SystemExit(f"bad count {item!r}: write KEY=N with N >= 1")
-        out[key] = int(n)
-    return out
-
-
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The options the launcher takes and passes to every worker (one set of defaults)."""
     ap.add_argument("--flavor", default="debugmodel")
@@ -64,8 +53,6 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                     help="untimed steps in later repetitions (default: --warmup)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps-for", default="", help="timed steps for some runs, KEY=N,...")
-    ap.add_argument("--reps-for", default="", help="repetitions for some runs, KEY=N,...")
     ap.add_argument("--prune", type=float, default=0.0,
                     help="after repetition 0, no more repetitions of a configuration that "
                          "another of its system beats by this margin (0.1: >= 1.1x its "
@@ -76,7 +63,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
 
 
 WORKLOAD = ("flavor", "seq", "micro_batch", "micro_batches", "warmup", "warmup_later",
-            "steps", "reps", "steps_for", "reps_for", "prune", "keep", "lr", "seed")
+            "steps", "reps", "prune", "keep", "lr", "seed")
 
 
 def workload_argv(args) -> list[str]:
@@ -84,20 +71,9 @@ def workload_argv(args) -> list[str]:
             for x in ("--" + d.replace("_", "-"), str(getattr(args, d)))]
 
 
-def schedule(runs: list[str], args) -> list[tuple[int, str, str, int]]:
-    """[(rep, key, mode, timed steps)] in run order: runs interleaved in each repetition."""
-    reps_for, steps_for = parse_counts(args.reps_for), parse_counts(args.steps_for)
-    keys = {r.partition("@")[0] for r in runs} | set(runs)
-    unknown = sorted((set(reps_for) | set(steps_for)) - keys)
-    if unknown:
-        raise SystemExit(f"--reps-for/--steps-for name runs not in this sweep: {unknown}")
-
-    def count(table, run, default):
-        return table.get(run, table.get(run.partition("@")[0], default))
-
-    return [(rep, *(run.partition("@")[::2]), count(steps_for, run, args.steps))
-            for rep in range(max([args.reps, *reps_for.values()]))
-            for run in runs if rep < count(reps_for, run, args.reps)]
+def schedule(runs: list[str], reps: int) -> list[tuple[int, str, str]]:
+    """[(rep, key, mode)] in run order: runs interleaved in each repetition."""
+    return [(rep, *run.partition("@")[::2]) for rep in range(reps) for run in runs]
 
 
 def dominated(results: list[Result], margin: float, tokens: int, keep=frozenset()) -> list[str]:
@@ -267,7 +243,7 @@ def main(argv=None) -> int:
                       indent=1)
         os.replace(args.out + ".tmp", args.out)
 
-    for rep, key, mode, steps in schedule(runs, args):
+    for rep, key, mode in schedule(runs, args.reps):
         if rep > 0 and pruned is None:
             pruned = dominated([r for r in results if r.rep == 0 and r.mode == "real"],
                                args.prune, tokens, keep)
@@ -275,7 +251,7 @@ def main(argv=None) -> int:
                 print(f"pruned after repetition 0 (margin {args.prune}): {pruned}", flush=True)
         if key in (pruned or []):
             continue
-        r = w.measure(key, mode or "real", rep, steps)
+        r = w.measure(key, mode or "real", rep, args.steps)
         results.append(r)
         if w.rank == 0:
             st = sorted(r.step_times)
