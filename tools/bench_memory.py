@@ -76,9 +76,6 @@ class PeakMemory:
         with _SampleAfterEachOp():
             yield
 
-    def reset_peak(self) -> None:
-        self.peak = in_use_bytes()
-
     @property
     def peak_delta(self) -> int:
         return self.peak - self.baseline

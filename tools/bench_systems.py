@@ -2,8 +2,7 @@
 
 A key names a system and its settings (``sweep``: a topology's configuration space):
 ``ddp``; FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False),
-``hsdp:<s>`` (shard groups of s ranks, replica all-reduce once per step), ``hpz``
-(reshard to the node); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
+``hsdp:<s>`` (shard groups of s ranks, replica all-reduce once per step); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
 ``amsp:<plan>[/<switches off>]``. Same model, seed, data, AdamW, all fp32. FSDP2 gets
 explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
 has no PREMUL_SUM).
@@ -40,8 +39,8 @@ def sweep(world: int, rpn: int) -> list[str]:
     from amsp_dtensor.plan import enumerate_plans
 
     sizes = shard_sizes(world, rpn)
-    # FSDP2 with reshard_after_forward = ranks per node ("hpz") stood in for ZeRO++ hpZ,
-    # which the sweep now runs for real: it is a key of its own, no longer swept
+    # (FSDP2 with reshard_after_forward = ranks per node stood in for ZeRO++ hpZ, which
+    # the sweep now runs for real)
     keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes]]
     keys += ["ds_z1", "ds_z2", "ds_z3", *[f"ds_hpz:{s}" for s in sizes if s <= rpn]]
     keys += [f"ds_mics:{s}" for s in sizes]
@@ -51,7 +50,7 @@ def sweep(world: int, rpn: int) -> list[str]:
 
 def family(key: str) -> str:
     head = key.split(":", 1)[0]
-    if head in ("zero3", "zero3_keep", "hsdp", "hpz"):
+    if head in ("zero3", "zero3_keep", "hsdp"):
         return "fsdp2"
     if head.startswith("mfsdp"):
         return "mfsdp"
@@ -66,7 +65,7 @@ def label(key: str, rpn: int) -> str:
         plan, _, switches = arg.partition("/")
         return f"AMSP {plan}" + (f" ({switches.replace('_', ' ')})" if switches else "")
     return {"ddp": "DDP", "zero3": "FSDP2 reshard", "zero3_keep": "FSDP2 keep",
-            "hsdp": f"FSDP2 HSDP shard {arg}", "hpz": f"FSDP2 hpZ-like ({rpn})",
+            "hsdp": f"FSDP2 HSDP shard {arg}",
             "ds_z1": "DS ZeRO-1", "ds_z2": "DS ZeRO-2", "ds_z3": "DS ZeRO-3",
             "ds_hpz": f"DS hpZ {arg}", "ds_mics": f"DS MiCS shard {arg}",
             "mfsdp_z3": "MFSDP ZeRO-3", "mfsdp_hfsdp": f"MFSDP hybrid shard {arg}"}[head]
@@ -301,9 +300,8 @@ def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, work
     model = build_model(model_args, seed)
     if head == "ddp":
         return DDPSystem(model, lr)
-    if head in ("zero3", "zero3_keep", "hpz"):
-        reshard = {"zero3": True, "zero3_keep": False, "hpz": meshes.rpn}[head]
-        return FSDPSystem(model, lr, meshes.world_mesh(), reshard_after_forward=reshard)
+    if head in ("zero3", "zero3_keep"):
+        return FSDPSystem(model, lr, meshes.world_mesh(), reshard_after_forward=head == "zero3")
     if head == "hsdp":
         return FSDPSystem(model, lr, meshes.hsdp_mesh(int(arg)), hsdp=True)
     if head == "amsp":

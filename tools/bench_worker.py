@@ -112,7 +112,7 @@ class Worker:
     def build_groups(self, key: str) -> None:
         """Create the device meshes `key` uses, so that all exist before any measurement."""
         head, _, arg = key.partition(":")
-        if head in ("zero3", "zero3_keep", "hpz"):
+        if head in ("zero3", "zero3_keep"):
             self.meshes.world_mesh()
         elif head == "hsdp":
             self.meshes.hsdp_mesh(int(arg))
