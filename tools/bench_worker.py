@@ -164,12 +164,9 @@ class Worker:
                     waited = {"in_step": sum(blocked[:n_in_step]),
                               "after_step": sum(blocked[n_in_step:])}
                 if record and last:
-                    comm = {"counted": self.counter.bytes_by_locality(),
-                            "counted_events": sorted([list(k) + [n] for k, n in
-                                                      self.counter.counter().items()], key=str)}
+                    comm = {"counted": self.counter.bytes_by_locality()}
                     if rec:
                         comm["recorder"] = rec.bytes_by_locality()
-                        comm["recorder_events"] = sorted([list(e.key()) for e in rec.events], key=str)
                 mem.sample()
         finally:
             self.comm.set_mode("real")
