@@ -355,8 +355,9 @@ def section(data: dict, command: str, png_name: str) -> str:
              ]
     if meta.get("loadavg"):
         parts.append(f"- 1-minute load average at the start and end of each process set: "
-                     f"{', '.join(f'{x:.1f}' for x in meta['loadavg'])} (its own {meta['world']} "
-                     "ranks count about as many; more means other work shared the cores).")
+                     f"{', '.join(f'{x:.1f}' for x in meta['loadavg'])} (the sweep's own ranks "
+                     "and gloo's per-group polling threads count in it, so compare it with an "
+                     "idle run of the same command rather than with the 2 cores).")
     if meta.get("incomplete"):
         parts.append("- Stopped by the timeout, results so far: " + "; ".join(meta["incomplete"])
                      + ".")
