@@ -1,86 +1,326 @@
-"""Head-to-head benchmark: DDP, ZeRO-1, ZeRO-3, HSDP, hpZ and AMSP on an emulated cluster.
+"""The benchmark: every system's configuration space on the emulated cluster, one command.
 
-One command builds the emulated nodes (tools/cluster), runs tools/bench_worker on every
-rank (all systems, interleaved, several repetitions), tears the nodes down and writes the
-table, the chart and a report (runs/bench/benchmarks.md by default: docs/benchmarks.md
-is tools/bench_frontier's sweep of every configuration under every memory cap):
+    flock /tmp/amsp_cpu.lock python -m tools.bench frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
+    flock /tmp/amsp_cpu.lock python -m tools.bench overlap --bw 1gbit,200mbit
+    python -m tools.bench install-peers        # DeepSpeed, Megatron-FSDP under runs/peers/
 
-    flock /tmp/amsp_cpu.lock timeout 290 python -m tools.bench \
-        --nodes 2 --ranks-per-node 2 --bw 1gbit
-
-``--no-netns`` runs on plain loopback (quick, unshaped); ``--from-json`` re-renders the
-report from a saved result file without running anything.
+Results go to runs/bench/, the sections and charts to docs/benchmarks.md (other sections
+kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_frontier`` /
+``tools.bench_overlap`` are the two subcommands under their older names.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from tools import bench_report, bench_worker
-from tools.cluster import ClusterSpec, LinkSpec, run_cluster
+from tools import bench_report as R
+from tools import bench_worker as W
 
 REPO = Path(__file__).resolve().parents[1]
+PROFILE_ARGS = ("--dtype float32 --ops all_gather,reduce_scatter,all_reduce --rounds 1 "
+                "--max-bytes 4M --repeats 3 --target-ms 30")
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def planner_choice(args, world: int, rpn: int, budget: float, bandwidth, reserve: float = 0.0):
+    """(plan name, choose_plan's report) for this workload: fp32, gloo, the post-step
+    all-gather overlapping the next forward, torchtitan's units (as the workers run AMSP).
+    Raises NoPlanFits when nothing fits the budget."""
+    import dataclasses
+
+    from amsp_dtensor.plan.cost import choose_plan
+    from amsp_dtensor.plan.cost.models import from_torchtitan_args
+    from tools.bench_systems import model_args
+
+    shape = dataclasses.replace(from_torchtitan_args(args.flavor, model_args(args.flavor, args.seq)),
+                                layout="titan")
+    report = choose_plan(shape, memory_budget_bytes=budget, seq_len=args.seq,
+                         micro_batch=args.micro_batch, micro_batches=args.micro_batches,
+                         world_size=world, ranks_per_node=rpn, bandwidth=bandwidth,
+                         mixed_precision="fp32", attention="flash", clip=False,
+                         reserve_bytes=int(reserve), backend="gloo", overlap_param_update=True)
+    return report.best.plan.name, report
+
+
+def time_models(rpn: int, profile: dict | None, link_rate: float | None) -> list:
+    """[(name, description, model)]: this cluster's profile table when there is one, and
+    alpha-beta at the shaped link rate (one rank's share of its node's link)."""
+    from amsp_dtensor.plan.cost import AlphaBeta
+    from amsp_dtensor.plan.cost.bandwidth import load_table
+
+    models = []
+    if profile:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(profile, f)
+        models.append(("profile", "the profile table of this cluster (amsp_dtensor.plan.profile,"
+                       " run on it before the sweep)", load_table(f.name)))
+        os.unlink(f.name)
+    if link_rate:
+        link = AlphaBeta(intra_bw=1e9, inter_bw=link_rate / rpn, intra_alpha=20e-6,
+                         inter_alpha=50e-6)
+        models.append(("link", f"alpha-beta: {link.inter_bw / R.MB:.1f} MB/s per rank across "
+                       f"nodes (the {link_rate / R.MB:.0f} MB/s link shared by {rpn} ranks), "
+                       f"{link.intra_bw / R.MB:.0f} MB/s inside a node", link))
+    return models
+
+
+def possible_picks(args, world: int, rpn: int, models: list) -> set[str]:
+    """Every plan some time model picks at some budget, as configuration keys. The set of
+    plans that fit changes only where the budget crosses a plan's estimate, so asking at
+    each estimate finds every pick. The sweep never prunes these: the planner's slowdown
+    compares its pick's median with the best plan's, over full repetitions."""
+    from amsp_dtensor.plan.cost.planner import NoPlanFits
+
+    picks = set()
+    for _, _, model in models:
+        _, report = planner_choice(args, world, rpn, 2.0 ** 60, model)
+        for budget in sorted({c.memory.total for c in report.candidates}):
+            try:
+                picks.add("amsp:" + planner_choice(args, world, rpn, budget, model)[0])
+            except NoPlanFits:  # rounding at the boundary: the next estimate asks again
+                continue
+    return picks
+
+
+def planner_data(data: dict) -> dict:
+    """The planner beside the measurement: its memory estimate of every AMSP plan, and its
+    pick at every cap per time model (profile, alpha-beta). The reserve is 0: the peaks
+    are measured above the in-use bytes before each build, so the runtime a reserve stands
+    for is outside them."""
+    from amsp_dtensor.plan.cost.planner import NoPlanFits
+
+    meta = data["meta"]
+    args = argparse.Namespace(**meta["args"])
+    world, rpn = meta["world"], meta["ranks_per_node"]
+    models = time_models(rpn, data.get("profile"), meta.get("link_rate"))
+    if not models:
+        return {}
+    _, report = planner_choice(args, world, rpn, 2.0 ** 60, models[0][2])
+    estimates = {c.plan.name: c.memory.total for c in report.candidates}
+    rows = R.summarize(data)
+    gaps = [r["peak"] - estimates[r["key"][5:]] for r in rows
+            if r["family"] == "amsp" and r["key"][5:] in estimates]
+    caps = R.select_caps(rows)
+    variants = []
+    for n, d, model in models:
+        picks = {}
+        for cap in caps:
+            try:
+                picks[repr(cap)] = planner_choice(args, world, rpn, cap, model)[0]
+            except NoPlanFits:
+                picks[repr(cap)] = None
+        variants.append({"name": n, "desc": d, "picks": picks})
+    note = (f"the median over the {len(gaps)} AMSP plans of measured peak - estimate is "
+            f"{statistics.median(gaps) / R.MB:.1f} MB" if gaps else "no AMSP plan measured")
+    return {"estimates": estimates, "reserve_bytes": 0.0, "reserve_note": note,
+            "variants": variants}
+
+
+# ---------------------------------------------------------------- running
+
+
+def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None = None) -> dict:
+    """Run `runs` on the cluster, one torchrun set per peer process set (MiCS needs another
+    DeepSpeed), and merge their results; meta from the first set, wall time summed."""
+    from tools import bench_peers
+    from tools.cluster import ClusterSpec, run_cluster
+
+    sets: dict[str, list[str]] = {}
+    for run in runs:
+        sets.setdefault(bench_peers.env_of(run), []).append(run)
+    merged = None
+    for env, mine in sets.items():
+        out = out_dir / f"result_{env}.json"
+        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=link,
+                           netns=not args.no_netns, timeout_s=args.timeout,
+                           env=extra_env or {})
+        rc = run_cluster(spec, ["-m", "tools.bench_worker", *W.workload_argv(args), "--env", env,
+                                "--runs", ",".join(mine), "--out", str(out)])
+        if not out.exists():
+            raise SystemExit(f"the {env} process set failed (exit {rc}); no report written")
+        data = json.loads(out.read_text())
+        if not data["meta"].get("complete", True):
+            print(f"the {env} process set stopped (exit {rc}) after {len(data['results'])} "
+                  "runs; reporting those", file=sys.stderr)
+            data["meta"]["incomplete"] = [f"{env} set stopped (exit {rc}) after "
+                                          f"{len(data['results'])} runs"]
+        if merged is None:
+            merged = data
+        else:
+            merged["results"] += data["results"]
+            for k in ("configs", "pruned", "incomplete"):
+                merged["meta"][k] = merged["meta"].get(k, []) + data["meta"].get(k, [])
+            merged["meta"]["wall_s"] += data["meta"]["wall_s"]
+            merged["meta"]["loadavg"] += data["meta"]["loadavg"]
+    return merged
+
+
+def frontier(args, argv: list[str]) -> int:
+    from tools import bench_peers
+    from tools.bench_systems import sweep
+    from tools.cluster import LinkSpec, run_cluster, ClusterSpec
+
+    world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
+    every = sweep(world, rpn)
+    keys = every if args.configs == "all" else W.comma_list(args.configs)
+    unknown = [k for k in keys if k not in every]
+    if unknown:
+        raise SystemExit(f"--configs: {unknown} not in the sweep of {world} ranks, {rpn} per "
+                         f"node; its keys: {','.join(every)}")
+    skipped = [m for m in map(bench_peers.missing, keys) if m]
+    for line in skipped:
+        print("skipped:", line, flush=True)
+    keys = [k for k in keys if not bench_peers.missing(k)]
+    link = LinkSpec(bw=args.bw)
+    inter_bw = None if args.no_netns else link.rate_bytes()
+    profile = None
+    with tempfile.TemporaryDirectory(prefix="amsp_bench_") as tmp:
+        os.chmod(tmp, 0o755)
+        if not args.no_profile:
+            t0, table = time.time(), Path(tmp) / "profile.json"
+            run_cluster(ClusterSpec(nodes=args.nodes, ranks_per_node=rpn, link=link,
+                                    netns=not args.no_netns, timeout_s=300),
+                        ["-m", "amsp_dtensor.plan.profile", "--out", str(table),
+                         *shlex.split(PROFILE_ARGS)])
+            if not table.exists():
+                raise SystemExit("the bandwidth profile failed; no report written")
+            profile, profile_s = json.loads(table.read_text()), time.time() - t0
+        if args.prune > 0:
+            picks = possible_picks(args, world, rpn, time_models(rpn, profile, inter_bw))
+            args.keep = ",".join(sorted(set(W.comma_list(args.keep)) | (picks & set(keys))))
+            print(f"never pruned (the planner's possible picks): {args.keep}", flush=True)
+        t0 = time.time()
+        data = run_sets(args, keys, Path(tmp), link)
+    meta = data["meta"]
+    meta.update(sweep_wall_s=time.time() - t0, skipped=skipped, link_rate=inter_bw,
+                bw="loopback, no shaping" if args.no_netns else f"{args.bw} between nodes",
+                link_short="loopback, no shaping" if args.no_netns else
+                f"inter-node link {args.bw} (tbf), intra-node loopback",
+                command=f"flock /tmp/amsp_cpu.lock timeout {int(args.timeout) + 60} "
+                        "python -m tools.bench_frontier " + shlex.join(argv))
+    meta["wall_s"] = meta["sweep_wall_s"]
+    if profile is not None:
+        data["profile"] = profile
+        meta["profile_command"] = "python -m amsp_dtensor.plan.profile --out <table> " + PROFILE_ARGS
+        meta["profile_s"] = profile_s
+    out = Path(args.out_json or REPO / "runs" / "bench" / f"frontier_{args.nodes}x{rpn}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    print(f"wrote {out}")
+    return render_frontier(data, args)
+
+
+def render_frontier(data: dict, args) -> int:
+    meta = data["meta"]
+    data["planner"] = planner_data(data)
+    png = Path(args.png_dir) / f"frontier_{meta['nodes']}x{meta['ranks_per_node']}.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    R.chart(R.summarize(data), meta, str(png))
+    doc = Path(args.doc)
+    sec = R.section(data, meta["command"], os.path.relpath(png, doc.parent))
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, sec))
+    print(sec[:sec.find("### Each system")])
+    return 0
+
+
+def overlap(args, argv: list[str]) -> int:
+    from amsp_dtensor.plan.cost import AlphaBeta
+    from tools.bench_systems import OVERLAP
+    from tools.cluster import LinkSpec
+
+    world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
+    command = ("flock /tmp/amsp_cpu.lock python -m tools.bench_overlap " + shlex.join(argv))
+    runs_out = []
+    for bw in W.comma_list(args.bw)[:1 if args.no_netns else None]:
+        link = LinkSpec(bw=bw)
+        inter = 1e9 if args.no_netns else link.rate_bytes()
+        # the planner's plan at the memory it estimates for HSDP (shard = a node)
+        _, probe = planner_choice(args, world, rpn, 2.0 ** 60,
+                                  AlphaBeta(intra_bw=1e9, inter_bw=inter))
+        planned, _ = planner_choice(args, world, rpn, probe.baselines["hsdp"].memory.total,
+                                    AlphaBeta(intra_bw=1e9, inter_bw=inter))
+        plans = [planned, *[p for p in W.comma_list(args.plans) if p != planned]]
+        runs = []
+        for p in plans:
+            runs += [f"amsp:{p}" + (f"/{c}" if c != "all_on" else "") for c in OVERLAP]
+            runs += [f"amsp:{p}@noop", f"amsp:{p}@serial"]
+        for key in ("zero3", f"hsdp:{rpn}"):
+            runs += [key, f"{key}@noop", f"{key}@serial"]
+        with tempfile.TemporaryDirectory(prefix="amsp_overlap_") as tmp:
+            os.chmod(tmp, 0o755)
+            data = run_sets(args, runs, Path(tmp), link)
+        data["meta"].update(bw=bw, link_short=f"inter-node link {bw} (tbf), intra-node "
+                            f"loopback; planned plan {planned}")
+        runs_out.append(data)
+        print(R.overlap_table(data))
+    out = Path(args.out_json or REPO / "runs" / "bench" / "overlap.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": command, "runs": runs_out}, indent=1))
+    return render_overlap(runs_out, command, args)
+
+
+def render_overlap(runs: list[dict], command: str, args) -> int:
+    doc = Path(args.doc)
+    sec = R.overlap_section(runs, command)
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, overlap=sec))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("frontier", "overlap", "install-peers"))
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--bw", default="1gbit", help="inter-node link rate (tc syntax); overlap: "
+                    "a comma list, one run each")
+    ap.add_argument("--no-netns", action="store_true", help="loopback only, no shaping")
+    ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per process set")
+    W.add_workload_args(ap)
+    ap.add_argument("--configs", default="all", help="frontier: configuration keys, or 'all'")
+    ap.add_argument("--plans", default="p1-g1-os2", help="overlap: AMSP plans beside the "
+                    "planner's")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="no bandwidth profile before the sweep (the planner then uses "
+                         "alpha-beta at the link rate only)")
+    ap.add_argument("--out-json", default=None, help="raw results (default under runs/bench/)")
+    ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
+    ap.add_argument("--png-dir", default=str(REPO / "docs"))
+    ap.add_argument("--from-json", help="only render the report from this result file")
+    return ap
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--ranks-per-node", type=int, default=2)
-    ap.add_argument("--bw", default="1gbit", help="inter-node link rate (tc syntax)")
-    ap.add_argument("--delay", default="0ms", help="one-way delay (needs netem in the kernel)")
-    ap.add_argument("--no-netns", action="store_true", help="loopback only, no shaping")
-    ap.add_argument("--timeout", type=float, default=280.0, help="seconds for the whole run")
-    bench_worker.add_workload_args(ap)
-    ap.add_argument("--out-json", default=str(REPO / "runs" / "bench" / "benchmarks.json"),
-                    help="raw results (runs/ is git-ignored)")
-    ap.add_argument("--doc", default=str(REPO / "runs" / "bench" / "benchmarks.md"))
-    ap.add_argument("--png", default=str(REPO / "runs" / "bench" / "benchmarks.png"))
-    ap.add_argument("--from-json", help="only render the report from this result file")
-    args = ap.parse_args(argv)
-    command = "python -m tools.bench " + shlex.join(argv)
+    args = parser().parse_args(argv)
+    if args.what == "install-peers":
+        from tools import bench_peers
 
-    Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        return bench_peers.install()
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
-        bench_report.write(data, args.doc, args.png, data["meta"].get("command", command))
-        return 0
+        if args.what == "overlap":
+            return render_overlap(data["runs"], data["command"], args)
+        return render_frontier(data, args)
+    if args.what == "overlap":
+        args.warmup = 1 if "--warmup" not in argv else args.warmup
+        return overlap(args, argv[1:])
+    return frontier(args, argv[1:])
 
-    link = LinkSpec(bw=args.bw, delay=args.delay)
-    inter_bw = link.rate_bytes()
-    with tempfile.TemporaryDirectory(prefix="amsp_bench_") as tmp:
-        os.chmod(tmp, 0o755)
-        out = Path(tmp) / "result.json"
-        worker = [
-            "-m", "tools.bench_worker", *bench_worker.workload_argv(args),
-            "--inter-bw", str(inter_bw if not args.no_netns else args.intra_bw),
-            "--out", str(out),
-        ]
-        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=link,
-                           netns=not args.no_netns, timeout_s=args.timeout)
-        rc = run_cluster(spec, worker)
-        if rc != 0 or not out.exists():
-            print(f"benchmark run failed (exit {rc}); no report written", file=sys.stderr)
-            return rc or 1
-        data = json.loads(out.read_text())
-    data["meta"]["link_short"] = ("loopback, no shaping" if args.no_netns else
-                                  f"inter-node link {args.bw} (tbf), intra-node loopback")
-    data["meta"]["command"] = f"flock /tmp/amsp_cpu.lock timeout {int(args.timeout) + 20} " \
-                              + command
-    Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out_json).write_text(json.dumps(data, indent=1))
-    bench_report.write(data, args.doc, args.png, data["meta"]["command"])
-    print(bench_report.table(data))
-    return 0
 
+HEADER = (REPO / "tools" / "bench_header.md").read_text() if (
+    REPO / "tools" / "bench_header.md").exists() else "# Benchmarks\n"
 
 if __name__ == "__main__":
     sys.exit(main())

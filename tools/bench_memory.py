@@ -1,23 +1,13 @@
 """Peak CPU memory of one system's training steps, from glibc's allocator counters.
 
-CPU tensors have no allocator statistics like ``torch.cuda.max_memory_allocated``, and RSS
-is useless when several systems run one after another in one process (freed memory stays
-mapped). glibc's ``mallinfo2()`` gives the bytes in use right now (``uordblks`` from the
-arenas + ``hblkhd`` from mmap, which is where big tensors live), over all arenas. We sample
-it at every transformer block's forward entry/exit and backward entry (a hook on the
-block's output grad), at the output head's forward exit (the logits) and backward entry
-(the loss gradient), at the end of every micro-batch's backward, and at the end of the
-optimizer step before ``zero_grad`` (gradients, optimizer scratch and the post-step
-all-gathers are all alive there): the high-water mark of those samples minus the in-use
-bytes before the system was built is the system's peak (model states + activations +
-gathered params + comm buffers). Inside ``every_op()`` (the workers' untimed warm-up
-steps, and the frontier's ``--mem-steps`` after the timed ones) it is also sampled after
-every aten op, forward, backward and optimizer step alike, which catches the transients
-between those points (a unit's unsharded gradients, FSDP2's reduce-scatter buffers, the
-logits' gradient). Outside it a sample
-between two hook points can miss a short spike inside one block, and even per op the
-temporaries inside one op are missed, so this is a lower bound on the true peak, taken
-the same way for every system.
+CPU tensors have no allocator statistics, and RSS is useless when several systems run one
+after another in one process (freed memory stays mapped). glibc's ``mallinfo2()`` gives
+the bytes in use now (arenas + mmap, where big tensors live). It is sampled at every
+block's forward entry / exit and backward entry, at the output head's, after every
+backward and after the optimizer step (before ``zero_grad``), and inside ``every_op()``
+(repetition 0's warm-up steps) after every aten op: the high-water mark minus the in-use
+bytes before the build is the peak. Temporaries inside one op are missed, so this is a
+lower bound on the true peak, taken the same way for every system.
 """
 
 from __future__ import annotations
@@ -85,9 +75,6 @@ class PeakMemory:
 
         with _SampleAfterEachOp():
             yield
-
-    def reset_peak(self) -> None:
-        self.peak = in_use_bytes()
 
     @property
     def peak_delta(self) -> int:

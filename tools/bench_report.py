@@ -1,326 +1,500 @@
-"""Turn tools/bench_worker's JSON into the table, the bar chart and docs/benchmarks.md."""
+"""The benchmark's numbers, charts and markdown, from the worker's results (no processes).
+
+Frontier (one section per scale): per configuration, tokens/s per repetition (tokens per
+step / mean timed step time), median and min-max; peak memory per rank (max over ranks and
+repetitions: a configuration fits a cap only if it fitted every time); then for every
+memory cap (every distinct measured peak) each system's fastest configuration under it,
+AMSP's best against the best of all others, and the planner's pick. Overlap ablation: per
+configuration, T_real, T_noop, T_serial; exposed = T_real - T_noop, efficiency =
+(T_serial - T_real) / (T_serial - T_noop), paired per repetition. ``assemble`` rebuilds
+docs/benchmarks.md from its header, every scale's section and the overlap section.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
-from pathlib import Path
 
-from amsp_dtensor.plan.cost.comm import ring_factor
-from tools.bench_systems import SYSTEM_LABELS
+from tools.bench_systems import FAMILIES, family, label
 
 MB = 1e6
+OTHERS = tuple(f for f in FAMILIES if f != "amsp")
+PEERS = ("ds_z1", "ds_z2", "ds_z3", "ds_hpz", "ds_mics", "mfsdp")
+COLORS = {"ddp": "tab:brown", "fsdp2": "tab:blue", "ds_z1": "tab:olive", "ds_z2": "tab:cyan",
+          "ds_z3": "tab:green", "ds_hpz": "tab:purple", "ds_mics": "tab:pink",
+          "mfsdp": "tab:orange", "amsp": "tab:red"}
+TARGET_FLOOR, TARGET_WIN, PLANNER_TOL, PLANNER_SHARE = 0.95, 1.5, 0.10, 0.8
+LOSS_TOL = 1e-5
+OVERLAP = ("<!-- overlap:begin -->", "<!-- overlap:end -->")
+_SECTION = re.compile(r"<!-- frontier-(\d+)x(\d+):begin -->.*?<!-- frontier-\1x\2:end -->", re.S)
 
 
-def _label(system: str, meta: dict) -> str:
-    if system.startswith("amsp:"):
-        plan = system.split(":", 1)[1]
-        tag = "planned" if plan == meta.get("amsp_plan") else "given"
-        return f"AMSP {plan} ({tag})"
-    return SYSTEM_LABELS.get(system, system)
+def _mb(x) -> str:
+    return "n/a" if x is None else f"{x / MB:.1f}"
+
+
+def _maxed(per_rank, part):
+    vals = [w[part] for w in per_rank or [] if w]
+    return max(vals) if vals else None
 
 
 def summarize(data: dict) -> list[dict]:
-    """One row per system: medians over repetitions, spreads, bytes, memory, loss."""
-    meta, results = data["meta"], data["results"]
-    tokens = meta["tokens_per_step"]
-    rows: dict[str, dict] = {}
-    for r in results:
-        row = rows.setdefault(r["system"], {"system": r["system"], "reps": []})
-        row["reps"].append(r)
-    ref_loss = None
-    out = []
-    for name, row in rows.items():
-        reps = row["reps"]
-        step = [statistics.mean(r["step_times"]) for r in reps if r["step_times"]]
-        tps = [tokens / s for s in step]
-        first = reps[0]  # rep 0 carries the recorded step
-        comm = first["comm"]
-        amsp = name.startswith("amsp:")
-        measured = comm.get("recorder") if amsp else comm["counted"]
-        wire = _wire_inter(comm["recorder_events"] if amsp and "recorder_events" in comm
-                           else comm["counted_events"], amsp)
-        predicted = (first.get("predicted") or {}).get("bytes")
-        peak = [max(r["peak_bytes_per_rank"]) for r in reps]
-        state = first["state_bytes_per_rank"]
-        state_max = max(sum(s.values()) for s in state if s)
-        loss = first["losses"][-1]
-        if ref_loss is None:
-            ref_loss = loss
-        out.append({
-            "system": name,
-            "label": _label(name, meta),
-            "step_s": statistics.median(step),
-            "step_min": min(step), "step_max": max(step),
+    """One row per configuration measured in real mode, in run order."""
+    meta = data["meta"]
+    rpn, tokens = meta["ranks_per_node"], meta["tokens_per_step"]
+    by: dict[str, list[dict]] = {}
+    for r in data["results"]:
+        if r.get("mode", "real") == "real":
+            by.setdefault(r["config"], []).append(r)
+    rows = []
+    for key, reps in by.items():
+        reps = sorted(reps, key=lambda r: r["rep"])
+        first = reps[0]
+        tps = [tokens / statistics.mean(r["step_times"]) for r in reps if r["step_times"]]
+        comm = first.get("comm") or {}
+        amsp = key.startswith("amsp")
+        measured = (comm.get("recorder") if amsp else None) or comm.get("counted") or {}
+        states = [s for s in first.get("state_bytes_per_rank") or [] if s]
+        rows.append({
+            "key": key, "family": family(key), "label": label(key, rpn),
             "tps": statistics.median(tps), "tps_min": min(tps), "tps_max": max(tps),
-            "intra": measured["intra"], "inter": measured["inter"],
-            "counted": comm["counted"],
-            "wire_inter": wire,
-            "predicted": predicted,
-            "match": predicted is not None and predicted == measured,
-            "peak": statistics.median(peak),
-            "state": state_max,
-            "state_parts": state[0],
-            "loss": loss,
+            "tps_reps": tps, "reps": len(tps), "steps": len(first["step_times"]),
+            "step_s": tokens / statistics.median(tps),
+            "peak": max(max(r["peak_bytes_per_rank"]) for r in reps),
+            "state": max(sum(s.values()) for s in states) if states else None,
+            "state_parts": states[0] if states else None,
+            "reported": next((x for x in first.get("reported_bytes_per_rank") or [] if x), None),
+            "inter": measured.get("inter"), "intra": measured.get("intra"),
             "losses": first["losses"],
-            "_first": first,
+            "waited": _maxed(first.get("waited_s_per_rank"), "in_step"),
+            "waited_after": _maxed(first.get("waited_s_per_rank"), "after_step"),
         })
-    for row in out:
-        row["loss_diff"] = abs(row["loss"] - ref_loss)
+    return rows
+
+
+def loss_check(rows: list[dict]) -> dict:
+    """Largest |loss - DDP's loss| over configurations and their common steps."""
+    ref = next((r for r in rows if r["key"] == "ddp"), rows[0])
+    worst, worst_key = 0.0, ref["key"]
+    for r in rows:
+        n = min(len(r["losses"]), len(ref["losses"]))
+        r["loss_diff"] = max((abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n])),
+                             default=0.0)
+        if r["loss_diff"] > worst:
+            worst, worst_key = r["loss_diff"], r["key"]
+    peers = [r["loss_diff"] for r in rows if r["family"] in PEERS]
+    return {"reference": ref["key"], "losses": ref["losses"], "max_diff": worst,
+            "worst": worst_key, "ok": worst <= LOSS_TOL, "peers_max": max(peers, default=None),
+            "over": [(r["label"], r["loss_diff"]) for r in rows if r["loss_diff"] > LOSS_TOL]}
+
+
+# ---------------------------------------------------------------- the frontier
+
+
+def select_caps(rows: list[dict]) -> list[float]:
+    """Memory caps, ascending: every distinct measured peak (peaks within 1 kB of the
+    previous one are one cap, the largest of them, so that all of them fit it)."""
+    caps: list[float] = []
+    for p in sorted(r["peak"] for r in rows):
+        if caps and p - caps[-1] <= 1e3:
+            caps[-1] = p
+        else:
+            caps.append(p)
+    return caps
+
+
+def best_under(rows: list[dict], cap: float, families=tuple(FAMILIES)) -> dict | None:
+    fits = [r for r in rows if r["family"] in families and r["peak"] <= cap]
+    return max(fits, key=lambda r: r["tps"]) if fits else None
+
+
+def frontier(rows: list[dict], caps: list[float]) -> list[dict]:
+    """Per cap: each family's fastest fitting configuration, the best of all others, AMSP's
+    best and AMSP / best other (None: no AMSP plan fits; inf: nothing else fits)."""
+    out = []
+    for cap in caps:
+        per = {f: best_under(rows, cap, (f,)) for f in FAMILIES}
+        base, amsp = best_under(rows, cap, OTHERS), per["amsp"]
+        ratio = None if amsp is None else math.inf if base is None else amsp["tps"] / base["tps"]
+        out.append({"cap": cap, "per_family": per, "baseline": base, "amsp": amsp,
+                    "ratio": ratio})
     return out
 
 
-def _wire_inter(events: list, amsp: bool) -> float:
-    """Inter-node bytes one rank sends per step under the ring model: makes an all-reduce
-    comparable with a reduce-scatter + all-gather of the same buffer (equal wire bytes)."""
-    total = 0.0
-    for ev in events:
-        if amsp:
-            op, _dim, n, nbytes, inter, _phase = ev
-            count = 1
+def planner_rows(rows: list[dict], fr: list[dict], picks: dict) -> list[dict]:
+    """Per cap: the planner's pick (``picks``: cap -> plan name, None = refuses), its
+    measured rank among AMSP's plans that fit (1 = fastest), its slowdown vs the fastest
+    and whether it is within PLANNER_TOL; ``counted`` is False where no AMSP plan fits."""
+    amsp = {r["key"].split(":", 1)[1]: r for r in rows if r["family"] == "amsp"}
+    out = []
+    for f in fr:
+        cap = f["cap"]
+        pick = next((v for k, v in picks.items() if abs(float(k) - cap) < 0.5), None)
+        fitting = sorted((r for r in amsp.values() if r["peak"] <= cap), key=lambda r: -r["tps"])
+        row = {"cap": cap, "pick": pick, "counted": bool(fitting), "rank": None,
+               "of": len(fitting), "slowdown": None, "within": False, "note": ""}
+        if not fitting:
+            row["note"] = "refuses: nothing fits, as measured" if pick is None else \
+                f"picks {pick}, but no AMSP plan fits as measured"
+        elif pick is None:
+            row["note"] = "refuses, but a plan fits as measured"
+        elif pick not in amsp:
+            row["note"] = f"{pick} was not measured"
+        elif amsp[pick]["peak"] > cap:
+            row["note"] = f"does not fit (measured {amsp[pick]['peak'] / MB:.1f} MB)"
         else:
-            op, n, nbytes, inter, count = ev
-        if inter:
-            total += count * nbytes * ring_factor(op, n)
-    return total
+            row["rank"] = [r["key"] for r in fitting].index(f"amsp:{pick}") + 1
+            row["slowdown"] = fitting[0]["tps"] / amsp[pick]["tps"] - 1
+            row["within"] = row["slowdown"] <= PLANNER_TOL + 1e-12
+        out.append(row)
+    return out
 
 
-def _event_match(row: dict) -> str:
-    from collections import Counter
-
-    first = row.get("_first") or {}
-    pred = (first.get("predicted") or {}).get("events")
-    got = first.get("comm", {}).get("recorder_events")
-    if pred is None or got is None:
-        return "n/a"
-    want = Counter({tuple(e[:-1]): e[-1] for e in pred})
-    have = Counter(tuple(e) for e in got)
-    diff = {k: (want.get(k, 0), have.get(k, 0)) for k in set(want) | set(have)
-            if want.get(k, 0) != have.get(k, 0)}
-    return (f"identical ({sum(have.values())} collectives)" if not diff
-            else f"{len(diff)} kinds differ: {sorted(diff.items(), key=str)[:3]}")
+def planner_share(prows: list[dict]) -> tuple[int, int]:
+    counted = [p for p in prows if p["counted"]]
+    return sum(p["within"] for p in counted), len(counted)
 
 
-def _overlap_note(planned: dict, others: list[dict]) -> str:
-    """Say when the ranking is inside the repetition spread (not a measured difference)."""
-    close = [r for r in others
-             if r["tps_min"] <= planned["tps_max"] and planned["tps_min"] <= r["tps_max"]]
-    if not close:
-        return " (no overlap of min-max ranges: a measured difference)."
-    return (" (but its min-max range overlaps " + ", ".join(
-        f"{r['label']} {r['tps_min']:.0f}-{r['tps_max']:.0f}" for r in close)
-        + f" vs AMSP {planned['tps_min']:.0f}-{planned['tps_max']:.0f}: not a significant "
-        "difference).")
+def chart_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """Each family's frontier as a step line (x = every distinct peak from the family's
+    smallest on, MB; y = its best tokens/s under x; drawn with where='post')."""
+    xs_all = select_caps(rows)
+    out = {}
+    for fam in FAMILIES:
+        mine = [r for r in rows if r["family"] == fam]
+        if mine:
+            xs = [x for x in xs_all if x >= min(r["peak"] for r in mine)]
+            ys = [best_under(mine, x)["tps"] for x in xs]
+            out[fam] = ([x / MB for x in xs + [xs_all[-1] * 1.04]], ys + [ys[-1]])
+    return out
 
 
-def verdict(rows: list[dict], meta: dict) -> list[str]:
-    """The benchmark's targets, as measured here: is AMSP the fastest system within its
-    memory (and >= 1.5x ZeRO-3, >= 1.15x HSDP), does it move the fewest inter-node bytes,
-    and do the planner's predicted bytes equal the measured ones?"""
-    planned = next((r for r in rows if r["system"] == f"amsp:{meta['amsp_plan']}"), None)
-    if planned is None:
-        return ["AMSP's planned plan was not run."]
-    by = {r["system"]: r for r in rows}
-    lines = []
-    tol = 1.05
-    same_mem = [r for r in rows if r["peak"] <= planned["peak"] * tol]
-    fastest = max(same_mem, key=lambda r: r["tps"])
-    lines.append(
-        f"Systems within AMSP's measured peak memory (+5%, {planned['peak'] / MB:.1f} MB per "
-        f"rank): {', '.join(r['label'] for r in same_mem)}; fastest of them: "
-        f"{fastest['label']} ({fastest['tps']:.0f} tokens/s)"
-        + (" -> AMSP is the fastest that fits" if fastest is planned else
-           f" -> missed: AMSP reaches {planned['tps'] / fastest['tps']:.2f}x of it")
-        + _overlap_note(planned, [r for r in same_mem if r is not planned]))
-    for key, target in (("zero3", 1.5), ("hsdp", 1.15)):
-        if key in by:
-            ratio = planned["tps"] / by[key]["tps"]
-            ok = "met" if ratio >= target else f"MISSED by {target - ratio:.2f}x"
-            lines.append(f"AMSP / {by[key]['label']} tokens/s = {ratio:.2f}x "
-                         f"(target >= {target}x: {ok}); AMSP peak {planned['peak'] / MB:.1f} MB "
-                         f"vs {by[key]['peak'] / MB:.1f} MB")
-    fewest = min(same_mem, key=lambda r: r["inter"])
-    lines.append(
-        f"Fewest inter-node buffer bytes among those: {fewest['label']} "
-        f"({fewest['inter'] / MB:.2f} MB/step); AMSP {planned['inter'] / MB:.2f} MB/step. "
-        f"Inter-node bytes sent per rank (ring model): AMSP {planned['wire_inter'] / MB:.2f} MB, "
-        + ", ".join(f"{r['label']} {r['wire_inter'] / MB:.2f} MB" for r in same_mem
-                    if r is not planned))
-    # second view: model-state bytes (P+G+OS per rank), the planner's D_states, which is
-    # what dominates memory at the paper's scale; here activations/buffers blur the peaks
-    same_state = [r for r in rows if r["state"] <= planned["state"]]
-    fastest_s = max(same_state, key=lambda r: r["tps"])
-    fewest_s = min(same_state, key=lambda r: r["inter"])
-    lines.append(
-        f"By model-state bytes instead (P+G+OS per rank; AMSP {planned['state'] / MB:.1f} MB): "
-        f"systems within it: {', '.join(r['label'] for r in same_state)}; fastest "
-        f"{fastest_s['label']}, fewest inter-node bytes {fewest_s['label']}"
-        + (" -> AMSP is both." if fastest_s is planned and fewest_s is planned else "."))
-    pred = meta.get("planner") or {}
-    want = pred.get("chosen_bytes_inter")
-    if want is not None:
-        lines.append(
-            f"Planner prediction for {meta['amsp_plan']}: inter {want} B, intra "
-            f"{pred.get('chosen_bytes_intra')} B per step; measured by amsp.record_comms: "
-            f"inter {planned['inter']} B, intra {planned['intra']} B -> "
-            + ("EXACT match" if (want, pred.get("chosen_bytes_intra")) ==
-               (planned["inter"], planned["intra"]) else "MISMATCH")
-            + f"; independent count of torch.distributed calls: inter "
-              f"{planned['counted']['inter']} B, intra {planned['counted']['intra']} B; "
-              f"event by event (op, dim, group, bytes, inter-node, phase) vs the cost "
-              f"model's schedule: {_event_match(planned)}")
-    return lines
-
-
-def table(data: dict) -> str:
-    rows = summarize(data)
-    head = ("| system | tokens/s median (min-max) | step s | inter-node MB/step | "
-            "MB sent/rank in inter-node groups (ring) | intra-node MB/step | model predicts (inter/intra MB) | "
-            "peak MB/rank | states MB/rank (P/G/OS) | loss after K |")
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        pred = r["predicted"]
-        pred_s = (f"{pred['inter'] / MB:.2f} / {pred['intra'] / MB:.2f}"
-                  + (" (=)" if r["match"] else " (differs)")) if pred else "n/a"
-        parts = r["state_parts"] or {}
-        lines.append(
-            f"| {r['label']} | {r['tps']:.0f} ({r['tps_min']:.0f}-{r['tps_max']:.0f}) | "
-            f"{r['step_s']:.3f} | {r['inter'] / MB:.2f} | {r['wire_inter'] / MB:.2f} | "
-            f"{r['intra'] / MB:.2f} | {pred_s} | "
-            f"{r['peak'] / MB:.1f} | {r['state'] / MB:.1f} ("
-            f"{parts.get('param', 0) / MB:.1f}/{parts.get('grad', 0) / MB:.1f}/"
-            f"{parts.get('optim', 0) / MB:.1f}) | {r['loss']:.5f} |")
-    return "\n".join(lines)
-
-
-def chart(data: dict, png: str) -> None:
+def chart(rows: list[dict], meta: dict, png: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = summarize(data)
-    labels = [r["label"].replace(" (", "\n(") for r in rows]
-    colors = ["tab:red" if r["system"].startswith("amsp") else "tab:gray" for r in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
-    tps = [r["tps"] for r in rows]
-    err = [[r["tps"] - r["tps_min"] for r in rows], [r["tps_max"] - r["tps"] for r in rows]]
-    axes[0].bar(labels, tps, yerr=err, color=colors, capsize=4)
-    axes[0].set_title("tokens/s (median, min-max over reps)")
-    axes[1].bar(labels, [r["inter"] / MB for r in rows], color=colors)
-    axes[1].set_title("inter-node MB per step (collective buffers)")
-    axes[2].bar(labels, [r["peak"] / MB for r in rows], color=colors)
-    axes[2].set_title("peak MB per rank (malloc in use)")
-    axes[3].bar(labels, [r["state"] / MB for r in rows], color=colors)
-    axes[3].set_title("model states MB per rank (P+G+OS)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=60, labelsize=8)
-    meta = data["meta"]
-    fig.suptitle(f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, "
-                 f"llama3 {meta['model']['flavor']} ({meta['model']['params'] / 1e6:.1f}M), "
-                 f"{meta.get('link_short', meta['link'][:90])}, "
-                 f"{meta['tokens_per_step']} tokens/step, fp32", fontsize=9)
+    fig, ax = plt.subplots(figsize=(11, 6.5))
+    for fam, (xs, ys) in chart_series(rows).items():
+        ax.step(xs, ys, where="post", color=COLORS[fam], alpha=0.85,
+                lw=2.4 if fam == "amsp" else 1.3, ls="-" if fam in ("amsp", "fsdp2", "ddp")
+                else "--", label=f"{FAMILIES[fam]} frontier")
+    for r in rows:
+        c = COLORS[r["family"]]
+        ax.errorbar([r["peak"] / MB], [r["tps"]], yerr=[[r["tps"] - r["tps_min"]],
+                    [r["tps_max"] - r["tps"]]], fmt="o" if r["family"] == "amsp" else "s",
+                    color=c, ms=4, capsize=2)
+        ax.annotate(r["label"].replace("AMSP ", ""), (r["peak"] / MB, r["tps"]),
+                    textcoords="offset points", xytext=(3, 3), fontsize=6, color=c)
+    ax.set_xlabel("peak memory per rank, MB (malloc in use, max over ranks and repetitions)")
+    ax.set_ylabel("tokens/s (median, min-max over repetitions)")
+    ax.set_title(f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, "
+                 f"{meta.get('link_short', '')}: the fastest configuration under each cap",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
 
-def write(data: dict, doc: str, png: str, command: str) -> None:
-    chart(data, png)
-    meta = data["meta"]
-    a = meta["args"]
+# ---------------------------------------------------------------- frontier markdown
+
+
+def _ratio_s(x) -> str:
+    if x is None:
+        return "no AMSP plan fits"
+    return "only AMSP fits" if math.isinf(x) else f"{x:.2f}x"
+
+
+def frontier_table(fr: list[dict], prows: list[dict]) -> str:
+    lines = ["| cap MB/rank | best other system under the cap | tokens/s | AMSP's best | "
+             "tokens/s | AMSP / best of all others | planner's pick | its rank among AMSP "
+             "plans that fit | slowdown vs best AMSP |", "|" + "---|" * 9]
+    for f, p in zip(fr, prows):
+        b, a = f["baseline"], f["amsp"]
+        rank, slow = ((f"{p['rank']} of {p['of']}", f"{p['slowdown'] * 100:.0f}%")
+                      if p["rank"] is not None else (p["note"], "n/a"))
+        lines.append(f"| {f['cap'] / MB:.1f} | " + (f"{b['label']} | {b['tps']:.0f}" if b else
+                     "- | -") + " | " + (f"{a['label']} | {a['tps']:.0f}" if a else "- | -")
+                     + f" | {_ratio_s(f['ratio'])} | {p['pick'] or 'none fits'} | {rank} | "
+                     f"{slow} |")
+    return "\n".join(lines)
+
+
+def family_table(fr: list[dict]) -> str:
+    lines = ["| cap MB/rank | " + " | ".join(FAMILIES.values()) + " |",
+             "|" + "---|" * (len(FAMILIES) + 1)]
+    for f in fr:
+        cells = []
+        for fam in FAMILIES:
+            r = f["per_family"][fam]
+            cells.append("-" if r is None else f"{r['tps']:.0f} ({r['label']})".replace(
+                "AMSP ", "").replace("FSDP2 ", "").replace("MFSDP ", "").replace("DS ", ""))
+        lines.append(f"| {f['cap'] / MB:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def config_table(rows: list[dict], estimates: dict) -> str:
+    lines = ["| configuration | tokens/s median (min-max) | reps x timed steps | step s | "
+             "peak MB/rank | planner estimate MB | states MB/rank (P/G/OS) | inter-node "
+             "MB/step | intra-node MB/step | AMSP waited s/step | loss, last step | max abs "
+             "loss diff |", "|" + "---|" * 12]
+    for r in sorted(rows, key=lambda r: r["peak"]):
+        parts = r["state_parts"] or {}
+        est = estimates.get(r["key"].split(":", 1)[1]) if r["family"] == "amsp" else None
+        waited = "n/a" if r["waited"] is None else f"{r['waited']:.3f}" + (
+            f" (+{r['waited_after']:.3f})" if r["waited_after"] else "")
+        lines.append(
+            f"| {r['label']} | {r['tps']:.0f} ({r['tps_min']:.0f}-{r['tps_max']:.0f}) | "
+            f"{r['reps']} x {r['steps']} | {r['step_s']:.3f} | {r['peak'] / MB:.1f} | "
+            f"{_mb(est)} | {_mb(r['state'])} ({_mb(parts.get('param'))}/"
+            f"{_mb(parts.get('grad'))}/{_mb(parts.get('optim'))}) | {_mb(r['inter'])} | "
+            f"{_mb(r['intra'])} | {waited} | "
+            f"{r['losses'][-1]:.5f} | {r.get('loss_diff', 0.0):.1e} |")
+    return "\n".join(lines)
+
+
+def memory_table(rows: list[dict]) -> str:
+    """One configuration per peer: its own memory report beside the sampler's peak."""
+    lines = ["| configuration | sampler's peak MB/rank | states MB/rank (P/G/OS), from its "
+             "own tensors | what it reports itself |", "|---|---|---|---|"]
+    for fam in PEERS:
+        r = next((r for r in rows if r["family"] == fam), None)
+        if r is None:
+            continue
+        p = r["state_parts"] or {}
+        rep = r["reported"]
+        said = (f"see_memory_usage MA (process RSS on DS_ACCELERATOR=cpu) {_mb(rep['rss_delta'])}"
+                " MB above its value before the build" if rep else "no memory report of its own "
+                "(its only one, check_gpu_memory, reads torch.cuda)")
+        lines.append(f"| {r['label']} | {r['peak'] / MB:.1f} | {_mb(r['state'])} ("
+                     f"{_mb(p.get('param'))}/{_mb(p.get('grad'))}/{_mb(p.get('optim'))}) | "
+                     f"{said} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> list[str]:
+    lines = []
+    with_base = [f for f in fr if f["baseline"] is not None]
+    finite = [f for f in with_base if f["ratio"] is not None]
+    below = [f for f in with_base if f["ratio"] is None or f["ratio"] < TARGET_FLOOR]
+    if not with_base:
+        lines.append("AMSP against the others: this run measured no other configuration, "
+                     "so neither target can be judged.")
+    elif not below:
+        worst = min(finite, key=lambda f: f["ratio"])
+        lines.append(f"AMSP >= {TARGET_FLOOR}x the best of all others at every cap where one "
+                     f"fits ({len(with_base)} caps): met; lowest {worst['ratio']:.2f}x at "
+                     f"{worst['cap'] / MB:.1f} MB.")
+    else:
+        lines.append(f"AMSP >= {TARGET_FLOOR}x the best of all others at every cap where one "
+                     f"fits: MISSED at {len(below)} of {len(with_base)} caps: " + "; ".join(
+                         f"{f['cap'] / MB:.1f} MB (" + ("no AMSP plan fits" if f["ratio"] is None
+                         else f"{f['ratio']:.2f}x against {f['baseline']['label']}") + ")"
+                         for f in below) + ".")
+    best = max((f for f in finite if not math.isinf(f["ratio"])), key=lambda f: f["ratio"],
+               default=None)
+    if best is not None:
+        wins = [f for f in finite if not math.isinf(f["ratio"]) and f["ratio"] >= TARGET_WIN]
+        lines.append(f"AMSP >= {TARGET_WIN}x the best of all others at one cap or more: "
+                     + (f"met at {len(wins)} cap(s)" if wins else
+                        f"MISSED by {TARGET_WIN - best['ratio']:.2f}x")
+                     + f"; highest {best['ratio']:.2f}x at {best['cap'] / MB:.1f} MB "
+                     f"({best['amsp']['label']} {best['amsp']['tps']:.0f} vs "
+                     f"{best['baseline']['label']} {best['baseline']['tps']:.0f} tokens/s).")
+    good, total = planner_share(prows)
+    share = good / total if total else float("nan")
+    lines.append(f"Planner's pick within {PLANNER_TOL:.0%} of the measured best AMSP plan: "
+                 f"{good} of {total} caps where an AMSP plan fits ({share:.0%}; target >= "
+                 f"{PLANNER_SHARE:.0%}: {'met' if total and share >= PLANNER_SHARE else 'MISSED'}).")
+    lines.append(f"Loss agreement over all {len(rows)} configurations and their common steps: "
+                 f"largest |loss - {loss['reference']}'s| = {loss['max_diff']:.1e} "
+                 f"({loss['worst']}; {'agree' if loss['ok'] else 'DISAGREE'} within "
+                 f"{LOSS_TOL:.0e})" + (f"; the peers' largest: {loss['peers_max']:.1e}"
+                                       if loss["peers_max"] is not None else "")
+                 + ("; over the tolerance, so not the same training: " + ", ".join(
+                     f"{k} ({d:.1e})" for k, d in loss["over"]) if loss["over"] else "") + ".")
+    return lines
+
+
+def section(data: dict, command: str, png_name: str) -> str:
+    """One scale's markdown between its markers."""
+    meta, a = data["meta"], data["meta"]["args"]
     rows = summarize(data)
-    planner = meta.get("planner") or {}
-    cand = "\n".join(
-        f"| {c['plan']} | {c['comm_s'] * 1e3:.1f} | {c['memory'] / MB:.1f} | "
-        f"{'yes' if c['fits'] else 'no'} | {c['bytes_inter'] / MB:.2f} | {c['bytes_intra'] / MB:.2f} |"
-        for c in planner.get("candidates", []))
-    losses = "\n".join(f"| {r['label']} | " + " | ".join(f"{x:.5f}" for x in r["losses"])
-                       + f" | {r['loss_diff']:.1e} |" for r in rows)
-    K = len(rows[0]["losses"]) if rows else 0
-    text = f"""# Benchmarks: AMSP vs DDP, ZeRO-1, ZeRO-3, HSDP, hpZ on an emulated cluster
-
-Generated by `tools/bench.py` (do not edit by hand; rerun the command).
-
-## Command
-
-```
-{command}
-```
-
-- Machine: {meta['machine']}; everything on one host, {meta['nodes']} emulated nodes x
-  {meta['ranks_per_node']} ranks (gloo, CPU).
-- Link: {meta['link']}.
-- Model: torchtitan llama3 `{meta['model']['flavor']}`, {meta['model']['params']:,} params,
-  seq {a['seq']}, {a['micro_batch']} sequence(s) per rank per micro-batch, M =
-  {a['micro_batches']} micro-batches per step: {meta['tokens_per_step']} tokens per step.
-- All fp32 (params, grads, comm, AdamW states). Each system's own code; see
-  tools/bench_systems.py for the exact settings.
-- {a['reps']} repetitions, systems interleaved inside each (each system rebuilt from the
-  same seed every time); per repetition {a['warmup']} warm-up step(s), then {a['steps']}
-  timed step(s); collectives are recorded in the last step of repetition 1.
-  Run wall time {meta['wall_s']:.0f} s.
-- AMSP plan: {meta['planner_note']}; planner memory budget {planner.get('budget_bytes', 0) / MB:.1f}
-  MB per rank ({planner.get('budget_note', 'n/a')}), time model {planner.get('time_model', 'n/a')}.
-
-## Results
-
-{table(data)}
-
-![benchmarks](benchmarks.png)
-
-Columns: tokens/s = tokens per step / step time (mean of the timed steps of one repetition,
-max over ranks); median and min-max over repetitions. MB/step = bytes of collective buffers
-(all-gather output, reduce-scatter input, all-reduce / broadcast tensor) of one step; a
-collective is inter-node when its group spans nodes. AMSP's bytes come from
-`amsp.record_comms`; the baselines' from tools/bench_comm.py (a wrapper around the
-torch.distributed calls they make). "model predicts" = amsp_dtensor.plan.cost.comm's schedule
-for the equivalent plan (DDP = p1-g1-os1 as one bucket per unit, so only totals compare).
-Peak = glibc malloc bytes in use minus before the build, sampled at block boundaries, the
-output head, after every backward and after the optimizer step (tools/bench_memory.py),
-max over ranks. States = params + grads + optimizer states held
-per rank just before the optimizer step. Loss = global mean loss of step {K}.
-
-## Targets (measured)
-
-""" + "\n".join(f"- {line}" for line in verdict(rows, meta)) + f"""
-
-## Loss per step (rep 0; must agree across systems)
-
-| system | """ + " | ".join(f"step {i + 1}" for i in range(K)) + """ | abs diff vs first |
-|---|""" + "---|" * (K + 1) + f"""
-{losses}
-
-## Planner candidates (cost model, fp32, this link)
-
-| plan | predicted comm ms | predicted memory MB | fits budget | inter MB | intra MB |
-|---|---|---|---|---|---|
-{cand}
-"""
-    Path(doc).write_text(keep_sections(text + NOTES, doc))
+    loss = loss_check(rows)
+    caps = select_caps(rows)
+    fr = frontier(rows, caps)
+    planner = data.get("planner") or {}
+    variants = planner.get("variants") or [{"name": "none", "desc": "not run", "picks": {}}]
+    vrows = [planner_rows(rows, fr, v["picks"]) for v in variants]
+    n, rpn = meta["nodes"], meta["ranks_per_node"]
+    later = a.get("warmup_later")
+    parts = [f"<!-- frontier-{n}x{rpn}:begin -->", "",
+             f"## {n} nodes x {rpn} ranks ({meta['world']} ranks), {meta.get('bw', '')}", "",
+             "```", command, "```", "",
+             f"- Machine: {meta['machine']}; {n} emulated nodes x {rpn} ranks, gloo. Link: "
+             f"{meta['link']}.",
+             f"- Workload: llama3 `{a['flavor']}` ({meta['model']['params']:,} params), fp32, "
+             f"seq {a['seq']}, {a['micro_batch']} sequence per rank per micro-batch, M = "
+             f"{a['micro_batches']}: {meta['tokens_per_step']} tokens per step; AdamW.",
+             f"- {len(rows)} configurations, interleaved in each of {a['reps']} repetitions"
+             + (" (DeepSpeed MiCS in a process set of its own after the others: it needs "
+                "DeepSpeed 0.19.6)" if any(r["family"] == "ds_mics" for r in rows) else "")
+             + f"; each rebuilt from the same seed, {a['warmup']} warm-up steps"
+             + (f" ({later} in repetitions after the first)" if later not in (None, a["warmup"])
+                else "") + f", then {a['steps']} timed step(s)"
+             + (f"; cut after repetition 0 (off their system's frontier by >= "
+                f"{a['prune']:.0%} in tokens/s at no less memory; never a plan the planner "
+                f"can pick): {', '.join(label(k, rpn) for k in meta['pruned'])}"
+                if meta.get("pruned") else "")
+             + f". Sweep wall time {meta['wall_s']:.0f} s.",
+             ]
+    if meta.get("loadavg"):
+        parts.append(f"- 1-minute load average at the start and end of each process set: "
+                     f"{', '.join(f'{x:.1f}' for x in meta['loadavg'])} (the sweep's own ranks "
+                     "and gloo's per-group polling threads count in it, so compare it with an "
+                     "idle run of the same command rather than with the 2 cores).")
+    if meta.get("incomplete"):
+        parts.append("- Stopped by the timeout, results so far: " + "; ".join(meta["incomplete"])
+                     + ".")
+    if meta.get("skipped"):
+        parts.append("- Not installed here, skipped: " + "; ".join(meta["skipped"]) + ".")
+    if meta.get("profile_command"):
+        parts.append(f"- Bandwidth profile for the planner, on the same emulated cluster "
+                     f"before the sweep ({meta.get('profile_s', 0):.0f} s): "
+                     f"`{meta['profile_command']}`.")
+    parts += [f"- Planner: `choose_plan` with the cap as its memory budget, fp32; time model "
+              f"of the frontier table: {variants[0]['desc']}; reserve "
+              f"{planner.get('reserve_bytes', 0) / MB:.1f} MB ({planner.get('reserve_note', '')}).",
+              "", "### The frontier", "", frontier_table(fr, vrows[0]), "",
+              f"![frontier {n}x{rpn}]({png_name})", "", "### Targets (measured)", ""]
+    parts += [f"- {line}" for line in targets(rows, fr, vrows[0], loss)]
+    for v, vr in list(zip(variants, vrows))[1:]:
+        good, total = planner_share(vr)
+        parts.append(f"- The planner with {v['name']} ({v['desc']}): {good} of {total} caps "
+                     f"within {PLANNER_TOL:.0%} ({good / total if total else 0:.0%}).")
+    parts += ["", "### Each system's best tokens/s under each cap", "", family_table(fr), "",
+              "### Memory as each peer reports it, beside the sampler", "", memory_table(rows),
+              "", "### Every configuration", "",
+              config_table(rows, planner.get("estimates", {})), "",
+              f"Loss per step of {loss['reference']} (every configuration's losses differ from "
+              f"these by at most {loss['max_diff']:.1e}): "
+              + ", ".join(f"{x:.5f}" for x in loss["losses"]) + ".", "",
+              f"<!-- frontier-{n}x{rpn}:end -->"]
+    return "\n".join(parts)
 
 
-# the setup (emulated nodes, fp32, workload, link, byte conventions) is described once, at
-# the top of docs/benchmarks.md (tools/bench_frontier.py writes it)
-NOTES = """
-The setup (emulated nodes, all-fp32, workload, link, byte and memory conventions) is
-described at the top of docs/benchmarks.md.
-"""
+# ---------------------------------------------------------------- overlap ablation
 
 
-# Sections of docs/benchmarks.md written by other tools (tools/bench_overlap.py's
-# "overlap", tools/bench_frontier.py's "frontier-<nodes>x<ranks>"), each between
-# "<!-- NAME:begin -->" and "<!-- NAME:end -->": kept when this report rewrites the file.
-KEPT_SECTION = re.compile(r"<!-- ([\w.-]+):begin -->.*?<!-- \1:end -->", re.S)
+def _stats(values) -> dict:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {"med": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"med": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
-def keep_sections(text: str, doc: str) -> str:
-    """`text` plus every marked section found in the current `doc` that `text` does not
-    already have (appended at the end, in their order there, markers included)."""
-    path = Path(doc)
-    old = path.read_text() if path.exists() else ""
-    kept = [m.group(0) for m in KEPT_SECTION.finditer(old)
-            if f"<!-- {m.group(1)}:begin -->" not in text]
-    if not kept:
-        return text
-    return text.rstrip("\n") + "\n\n" + "\n\n".join(kept) + "\n"
+def _fmt(s, digits: int = 3) -> str:
+    if not s or s["n"] == 0:
+        return "n/a"
+    if s["n"] == 1:
+        return f"{s['med']:.{digits}f}"
+    sep = " to " if s["min"] < 0 else "-"  # "-0.50-0.61" would read as a minus
+    return f"{s['med']:.{digits}f} ({s['min']:.{digits}f}{sep}{s['max']:.{digits}f})"
+
+
+def overlap_rows(data: dict) -> list[dict]:
+    """One row per configuration run in real mode. noop / serial come from the row's own
+    runs when measured, else from its plan's all-on configuration (shared, flagged)."""
+    res = data["results"]
+
+    def per_rep(key, mode):
+        return {r["rep"]: statistics.mean(r["step_times"]) for r in res
+                if r["config"] == key and r["mode"] == mode and r["step_times"]}
+
+    rows = []
+    for key in dict.fromkeys(r["config"] for r in res if r["mode"] == "real"):
+        base = key.split("/")[0]
+        real, noop, serial = per_rep(key, "real"), per_rep(key, "noop"), per_rep(key, "serial")
+        shared = not noop or not serial
+        if shared:
+            noop, serial = per_rep(base, "noop"), per_rep(base, "serial")
+        none = per_rep(base + "/none", "real") if base.startswith("amsp") else {}
+        k = sorted(real)
+        first = next(r for r in res if r["config"] == key and r["mode"] == "real")
+        blocked = [_maxed(r["waited_s_per_rank"], "in_step") for r in res
+                   if r["config"] == key and r["mode"] == "real"]
+        rows.append({
+            "key": key, "label": label(key, data["meta"]["ranks_per_node"]),
+            "real": _stats(real.values()), "noop": _stats(noop.values()),
+            "serial": _stats(serial.values()), "shared": shared and key != base,
+            "exposed": _stats(real[i] - noop[i] for i in k if i in noop),
+            "efficiency": _stats((serial[i] - real[i]) / (serial[i] - noop[i]) for i in k
+                                 if i in noop and i in serial and serial[i] > noop[i]),
+            "speedup": _stats(none[i] / real[i] for i in k if i in none) if none else None,
+            "recorded": _stats(blocked) if any(b is not None for b in blocked) else None,
+            "losses": first["losses"]})
+    return rows
+
+
+def overlap_table(data: dict) -> str:
+    lines = ["| plan / system: configuration | T_real s | T_noop s | T_serial s | exposed s "
+             "(T_real - T_noop) | overlap efficiency | speed-up vs none | recorded exposed s |",
+             "|" + "---|" * 8]
+    for r in overlap_rows(data):
+        mark = " *" if r["shared"] else ""
+        lines.append(f"| {r['label']} | {_fmt(r['real'])} | {_fmt(r['noop'])}{mark} | "
+                     f"{_fmt(r['serial'])}{mark} | {_fmt(r['exposed'])} | "
+                     f"{_fmt(r['efficiency'], 2)} | {_fmt(r['speedup'], 2)} | "
+                     f"{_fmt(r['recorded'])} |")
+    return "\n".join(lines)
+
+
+def overlap_section(runs: list[dict], command: str) -> str:
+    first = runs[0]["meta"]
+    a = first["args"]
+    parts = [OVERLAP[0], "", "## Overlap ablation: how much communication is hidden", "",
+             "```", command, "```", "",
+             f"- Machine: {first['machine']}; {first['nodes']} emulated nodes x "
+             f"{first['ranks_per_node']} ranks (gloo, CPU). Workload as above "
+             f"({first['tokens_per_step']} tokens per step).",
+             f"- Each measurement rebuilds the system and runs {a['warmup']} warm-up + "
+             f"{a['steps']} timed step(s) in one comm mode (tools/bench_comm.py); "
+             f"{a['reps']} repetitions, interleaved; median (min-max). T_real: real "
+             "collectives; T_noop: local copies only (compute); T_serial: each collective "
+             "waited when issued. Rows marked * share their plan's all-on T_noop / T_serial.",
+             ""]
+    for data in runs:
+        meta = data["meta"]
+        parts += [f"### {meta.get('bw', '')}: {meta.get('link_short', '')}", "",
+                  f"Run wall time {meta['wall_s']:.0f} s.", "", overlap_table(data), ""]
+    parts.append(OVERLAP[1])
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- the document
+
+
+def sections_of(text: str) -> dict[tuple[int, int], str]:
+    return {(int(m.group(1)), int(m.group(2))): m.group(0) for m in _SECTION.finditer(text)}
+
+
+def overlap_of(text: str) -> str | None:
+    i = text.find(OVERLAP[0])
+    j = text.find(OVERLAP[1], i + len(OVERLAP[0])) if i >= 0 else -1
+    return text[i:j + len(OVERLAP[1])] if i >= 0 and j >= 0 else None
+
+
+def assemble(old_text: str, header: str, frontier_section: str | None = None,
+             overlap: str | None = None) -> str:
+    """The whole document: header, the frontier sections (the new one replacing its scale,
+    fewest ranks first), the overlap section (the new one, else the old one verbatim)."""
+    sections = sections_of(old_text)
+    sections.update(sections_of(frontier_section or ""))
+    ordered = [sections[k] for k in sorted(sections, key=lambda k: (k[0] * k[1], k))]
+    kept = overlap or overlap_of(old_text)
+    return "\n\n".join([header.rstrip("\n"), *ordered, *([kept] if kept else [])]) + "\n"
