@@ -42,7 +42,7 @@ def test_cuda_shim_is_undone():
     assert (torch.cuda.current_device, torch.cuda.Stream, torch.Tensor.cuda) == before
 
 
-@pytest.mark.skipif(P.missing("ds_z2") or P.missing("mfsdp_z3"),
+@pytest.mark.skipif(bool(P.missing("ds_z2") or P.missing("mfsdp_z3")),
                     reason="peers not installed (python -m tools.bench install-peers)")
 def test_peers_train_the_same_model_as_ddp(tmp_path):
     out = tmp_path / "r.json"
