@@ -16,6 +16,7 @@ from .observe.memory import memory_by_state
 from .engine.optim import AMSPOptimizer
 from .engine.param_update import ParamWrittenWhilePending
 from .engine.overlap import Overlap, set_overlap
+from .engine.compression import Compression, set_compression
 from .plan import BASELINES, ResolvedPlan, ShardingPlan, enumerate_plans
 from .engine.shard import fully_shard
 
@@ -28,6 +29,7 @@ __all__ = [
     "predicted_events",
     "BASELINES",
     "CommEvent",
+    "Compression",
     "CommRecorder",
     "G_PLACEMENTS",
     "OS_PLACEMENTS",
@@ -41,6 +43,7 @@ __all__ = [
     "memory_by_state",
     "no_sync",
     "record_comms",
+    "set_compression",
     "set_gradient_divide_factor",
     "set_overlap",
     "track_backward_memory",

@@ -19,12 +19,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "amsp_dtensor"
 # The unit's step state (``_step``) and the read-only views of what it holds; the names
 # the buffers had before they moved into the state are kept so they cannot come back.
 UNIT_OWNED = {"_step", "partial_grad", "synced_grad", "pending_update", "stage_in_flight",
-              "grad_accum", "grad_synced", "lifecycle"}
+              "grad_accum", "grad_synced", "lifecycle", "residuals"}
 # root.RootState's per-step fields (its constructor arguments info/collectives/units/
 # frozen_units/grad_stream are set once, where the root is made)
 ROOT_OWNED = {"requires_grad_sync", "gradient_divide_factor", "backward", "in_flight",
               "in_forward", "unsynced_micro_batches", "optimizer_bound", "overlap",
-              "forward_order", "forward_order_known", "unit_grad_observers"}
+              "forward_order", "forward_order_known", "unit_grad_observers", "compression"}
 UNIT, ROOT, HANDLE = "engine/unit.py", "engine/root.py", "engine/handle.py"
 OWNER = {**{name: UNIT for name in UNIT_OWNED}, **{name: ROOT for name in ROOT_OWNED}}
 

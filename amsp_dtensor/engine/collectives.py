@@ -129,6 +129,12 @@ class Collectives:
             work, self._event_args("reduce_scatter", dim, _nbytes(input), phase), output
         )
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
+        """Row i of ``input`` (k rows) to rank i of the group; row j of ``output`` from
+        rank j (compression.py's reduce-scatter)."""
+        work = dist.all_to_all_single(output, input, group=self.info.group(dim), async_op=True)
+        return PendingComm(work, self._event_args("all_to_all", dim, _nbytes(input), phase), output)
+
     def all_reduce(self, tensor: torch.Tensor, dim: str, phase: str, op=dist.ReduceOp.SUM):
         work = dist.all_reduce(tensor, op=op, group=self.info.group(dim), async_op=True)
         return PendingComm(work, self._event_args("all_reduce", dim, _nbytes(tensor), phase), tensor)

@@ -20,7 +20,8 @@ parameter per OS shard and keeps the weights one tensor: an in-place edit of a p
 (a model ``load_state_dict``, a manual rescale) is what the next step starts from. The
 view must keep pointing at the P storage: ``step()`` checks it (_check_masters_alias) and
 refuses if a parameter was replaced (``load_state_dict(assign=True)``, ``module.to()``).
-With a bf16 P shard the master is a separate fp32 copy.
+With a bf16 P shard, or with compressed weights (compression.py: the P shard then lands
+dequantized values), the master is a separate fp32 copy.
 
 After ``step()`` the new weights go back to the P shards (param_update.py): an all-gather
 over the OS subgroup (s_os/s_p ranks holding the same P shard). As with any torch
@@ -215,6 +216,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         k, index = unit.info.os_split
         masters = []
         views: dict[int, int] = {}
+        # compressed weights land dequantized in the P shard: the master is then a copy
+        compressed_weights = unit.weight_codec() is not None
         placements, full_shapes = OS_PLACEMENTS, unit.global_shapes
         if unit.tp_placements:  # (mesh.py's Note: "tp" comes first)
             full_shapes = unit.full_shapes
@@ -225,7 +228,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             start, length = chunk_rows(rows.rows, k)[index]
             with torch.no_grad():
                 chunk = local.reshape(rows.rows, rows.cols)[start : start + length]
-                if local.dtype == torch.float32:
+                if local.dtype == torch.float32 and not compressed_weights:
                     master_local = chunk.view(length, *shape[1:])
                     views[i] = local.untyped_storage().data_ptr()
                 else:

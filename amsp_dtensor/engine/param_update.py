@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import streams
+from . import compression, streams
 from .collectives import Collectives
 
 # "AMSPUnit" below is unit.AMSPUnit, which calls these functions (not imported here).
@@ -87,6 +87,10 @@ def issue(unit: "AMSPUnit", masters: list, collectives: Collectives):
     send_buf = torch.zeros(unit.os_layout.numel, dtype=p_locals[0].dtype, device=p_locals[0].device)
     for view, master in zip(unit.os_layout.views(send_buf), masters):
         view.copy_(master.to_local().reshape(view.shape))
+    if codec := unit.weight_codec():
+        # every rank, this one included, lands the values dequantized from the same bytes
+        return compression.all_gather(collectives, send_buf, unit.info.os_subgroup_dim,
+                                      "step", codec)
     gathered = send_buf.new_empty(k, unit.os_layout.numel)
     pending = collectives.all_gather(gathered.view(-1), send_buf, unit.info.os_subgroup_dim,
                                      phase="step")

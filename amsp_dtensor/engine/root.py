@@ -37,6 +37,7 @@ import torch
 from torch.profiler import record_function
 
 from .. import compat
+from ..plan.compression import Compression
 from . import grad as grad_path
 from . import overlap, param_update, streams
 from .collectives import Collectives
@@ -74,6 +75,7 @@ class RootState:
     unsynced_micro_batches: int = 0
     optimizer_bound: bool = False  # an AMSPOptimizer was built over these units
     overlap: Overlap = field(default_factory=Overlap)
+    compression: Compression = field(default_factory=Compression)  # all exact by default
     # units in the order their forward pre-hooks first ran (overlap.py: prefetch order);
     # complete once the root's first forward has returned
     forward_order: list[AMSPUnit] = field(default_factory=list)
@@ -112,6 +114,23 @@ class RootState:
         self.overlap = dataclasses.replace(self.overlap, **switches)
         overlap.apply_prefetch(self)
         return self.overlap
+
+    def set_compression(self, setting: Compression) -> Compression:
+        if self.in_forward or self.backward is not None:
+            raise RuntimeError(
+                "set_compression() during a forward or backward: call it between steps")
+        if self.optimizer_bound and setting.weights != self.compression.weights:
+            raise ValueError(
+                f"set_compression(weights={setting.weights!r}) after AMSPOptimizer was built: "
+                "call amsp.set_compression before building the optimizer (with fp32 "
+                "parameters its masters are views into them unless weights are compressed)"
+            )
+        self.finish_sync()  # stages in flight complete with the codec they were issued with
+        if setting.grads != self.compression.grads:
+            for unit in self.units:
+                unit.drop_residuals()
+        self.compression = setting
+        return setting
 
     def bind_optimizer(self, overlap_param_update: bool) -> None:
         self.optimizer_bound = True

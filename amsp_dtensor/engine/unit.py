@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .. import compat
-from . import param_update
+from ..plan.compression import codec_applies
+from . import compression, param_update
 from .collectives import PendingComm
 from .layouts import FlatLayout
 from .lifecycle import StepState, check_transition
@@ -160,6 +161,9 @@ class AMSPUnit:
     full_shapes: list[torch.Size] = field(default_factory=list)
     root: object = None  # the root.RootState, once the root is sharded (root.py imports this)
     _step: StepValue = field(default_factory=Idle)
+    # error feedback of each compressed gradient stage (compression.py's Note): what its
+    # codec dropped, kept across steps in the stage's input shape and dtype
+    residuals: dict = field(default_factory=dict)
 
     # ---- reading the step state ---------------------------------------------------
     @property
@@ -207,9 +211,15 @@ class AMSPUnit:
             self._add_partial(flat_p)
             return
         packed = self.p_layout.pack(flat_p, k_g)
+        phase = "sync" if sync else "backward"
+        if codec := self.grad_codec("g"):
+            residual = self._residual(GradStage.G_REDUCE, packed.shape)
+            self._issue(GradStage.G_REDUCE, packed, lambda c: compression.reduce_scatter(
+                c, packed, residual, "g", phase, codec))
+            return
         g_shard = flat_p.new_empty(self.g_layout.numel)
         self._issue(GradStage.G_REDUCE, packed, lambda c: c.reduce_scatter(
-            g_shard, packed.view(-1), "g", phase="sync" if sync else "backward"))
+            g_shard, packed.view(-1), "g", phase=phase))
 
     def advance(self, entry: InFlightStage, result: torch.Tensor) -> None:
         """``entry``, this unit's stage in flight, completed with ``result``: run the
@@ -243,6 +253,11 @@ class AMSPUnit:
         if k_g == 1 and k_os > 1:
             # s_g = s_p < s_os: shrink the P-sized G to the OS shard while reducing it.
             packed = self.p_layout.pack(grad, k_os)
+            if codec := self.grad_codec("os"):
+                residual = self._residual(GradStage.OS_REDUCE, packed.shape)
+                self._issue(GradStage.OS_REDUCE, packed, lambda c: compression.reduce_scatter(
+                    c, packed, residual, "os", "sync", codec))
+                return
             os_shard = grad.new_empty(self.os_layout.numel)
             self._issue(GradStage.OS_REDUCE, packed, lambda c: c.reduce_scatter(
                 os_shard, packed.view(-1), "os", phase="sync"))
@@ -250,11 +265,45 @@ class AMSPUnit:
             self._issue_replica_reduce(grad)
 
     def _issue_replica_reduce(self, os_shard: torch.Tensor) -> None:
-        if self.info.size("rep") > 1:
+        k_rep = self.info.size("rep")
+        if k_rep > 1 and (codec := self.grad_codec("rep")):
+            shape = (k_rep, compression.residual_rows(os_shard.numel(), k_rep))
+            residual = self._residual(GradStage.REP_REDUCE, shape)
+            self._issue(GradStage.REP_REDUCE, os_shard, lambda c: compression.all_reduce(
+                c, os_shard, residual, "rep", "sync", codec))
+        elif k_rep > 1:
             self._issue(GradStage.REP_REDUCE, None,
                         lambda c: c.all_reduce(os_shard, "rep", phase="sync"))
         else:
             self._store_synced(os_shard)
+
+    # ---- compression of the cross-node stages (compression.py) ---------------------
+    def grad_codec(self, dim: str) -> str | None:
+        """The codec of this unit's gradient stage over ``dim``: the root's setting when
+        the dim's group spans nodes and the codec is narrower than the gradient dtype."""
+        codec = self.root.compression.grads
+        if codec is None or not self.info.crosses_nodes(dim):
+            return None
+        return codec if codec_applies(codec, self.grad_dtype().itemsize) else None
+
+    def weight_codec(self) -> str | None:
+        """The codec of the post-step all-gather (None: sent exactly, or none issued)."""
+        codec = self.root.compression.weights
+        dim = self.info.os_subgroup_dim
+        if codec is None or dim is None or not self.info.crosses_nodes(dim):
+            return None
+        return codec if codec_applies(codec, self.params[0].dtype.itemsize) else None
+
+    def _residual(self, stage: GradStage, shape) -> torch.Tensor:
+        residual = self.residuals.get(stage)
+        if residual is None or residual.shape != torch.Size(shape):
+            residual = torch.zeros(shape, dtype=self.grad_dtype(), device=self.device)
+            self.residuals[stage] = residual
+        return residual
+
+    def drop_residuals(self) -> None:
+        """Forget the error feedback (the compression setting changed)."""
+        self.residuals = {}
 
     def _issue(self, stage: GradStage, keepalive, issue) -> None:
         with record_function(self.profile_label(f"AMSP::{stage.value}_issue")):

@@ -1,8 +1,8 @@
 """Recorder of collectives issued by the engine (ours and FSDP2's, via its comm hooks).
 
 Byte convention (also used by the cost model): ``nbytes`` is the size of the whole
-collective buffer: the all-gather OUTPUT, the reduce-scatter INPUT, the all-reduce or
-broadcast tensor. Per-rank traffic of a ring is ``nbytes * (n - 1) / n`` for AG/RS and
+collective buffer: the all-gather OUTPUT, the reduce-scatter and all-to-all INPUT, the
+all-reduce or broadcast tensor. Per-rank traffic of a ring is ``nbytes * (n - 1) / n`` for AG/RS and
 twice that for AR; the cost model derives it, the recorder records the buffer only.
 """
 
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def plan_mesh(sharding, ranks_per_node: int):
 
 def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_step=1,
                   overlap=False, reduce_dtype=None, read_steps=0, variant="", optimizer="adamw",
-                  layout="blocks", overlaps=None, clip=True):
+                  layout="blocks", overlaps=None, clip=True, compression=None):
     """Train under ``plan`` (a (s_p, s_g, s_os) tuple); returns losses, norms, the final
     full weights (rank 0), this rank's memory per state, and one step's CommEvents.
 
@@ -155,7 +155,9 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     weights read before the wait were the old ones. ``reduce_dtype``: a
     MixedPrecisionPolicy(reduce_dtype=...) for every unit. ``variant``: MODEL_VARIANTS;
     ``optimizer``: OPTIMIZERS; ``layout``: shard_model's; ``overlaps``: keyword arguments
-    of amsp.set_overlap; ``clip``: clip_grad_norm_ before each step ("norms" empty if not).
+    of amsp.set_overlap; ``clip``: clip_grad_norm_ before each step ("norms" empty if not);
+    ``compression``: keyword arguments of amsp.set_compression (then "p_shards": this
+    rank's P shard of each parameter after training, and "residual_norm").
     """
     import amsp_dtensor as amsp
     from amsp_dtensor.engine.handle import root_state
@@ -169,6 +171,8 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     shard_model(model, mesh, sharding, policy, layout)
     if overlaps:
         amsp.set_overlap(model, **overlaps)
+    if compression:
+        amsp.set_compression(model, **compression)
     cls, kwargs = OPTIMIZERS[optimizer]
     optim = amsp.AMSPOptimizer(model, cls, overlap_param_update=overlap, **kwargs)
     losses, norms, memory, step_weights = [], [], {}, []
@@ -209,7 +213,15 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     events = [e.key() for e in recorder.events]
     timings = [(e.seconds, e.blocked_seconds) for e in recorder.events]
     weights = full_weights(model)
+    extra = {}
+    if compression:
+        units = root_state(model).units
+        extra["p_shards"] = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                             for n, p in model.named_parameters()}
+        extra["residual_norm"] = sum(r.float().norm().item() ** 2 for u in units
+                                     for r in u.residuals.values()) ** 0.5
     return {
+        **extra,
         "losses": losses,
         "norms": norms,
         "weights": weights if rank == 0 else None,

@@ -1,0 +1,152 @@
+"""Compressed cross-node stages (``amsp.set_compression``): the codecs on tensors, and the
+compressed forms of the gradient reduce-scatter, the replica all-reduce and the post-step
+all-gather. plan/compression.py has the setting and the byte arithmetic the cost model
+shares.
+
+[Note: compressed reductions]
+A reduction is never done on compressed values: each rank quantizes the chunk it sends to
+each peer, an all-to-all delivers to every rank the k chunks of its own shard, and the
+receiver dequantizes and sums them in fp32 (as ZeRO++'s qgZ and torchft do). A replica
+all-reduce is that reduce-scatter followed by an all-gather of the compressed sums, which
+every rank (the one that summed included) dequantizes: every replica holds the same
+values, so replicas stay identical.
+
+[Note: error feedback]
+What quantization drops is kept per rank and added to the next input of the same stage
+(``residual``, in the stage's dtype, one per compressed stage of a unit). So with sent_t
+the dequantized values of step t, sum_t sent_t = sum_t x_t - residual_T: the error does
+not accumulate, it lags. The all-gather half of an all-reduce adds its own error, on the
+rank that summed the chunk, to that chunk of its residual. Weights need none: they are
+re-sent from the exact fp32 masters every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..plan.compression import INT8_BLOCK, Compression, chunk_nbytes, int8_blocks
+from .collectives import Collectives, PendingComm
+from .handle import root_state
+
+__all__ = ["Compression", "set_compression"]
+
+
+def set_compression(model: nn.Module, *, grads: str | None = None,
+                    weights: str | None = None) -> Compression:
+    """Compress the cross-node stages of the root ``model`` (off by default: exact).
+
+    ``grads``: codec of the gradient stages whose group spans nodes (reduce-scatter over
+    "g" or "os", the replica all-reduce), with error feedback; ``weights``: codec of the
+    post-step all-gather when its group spans nodes. Codecs: "bf16", "int8" (blockwise,
+    one fp32 scale per 256 elements), None (exact). Stages inside a node stay exact.
+    Call between steps; ``weights`` before building AMSPOptimizer. Changing ``grads``
+    drops the error-feedback residuals. Returns the setting now in force.
+    """
+    return root_state(model).set_compression(Compression(grads=grads, weights=weights))
+
+
+# ---- codecs: [k, m] rows of values <-> [k, chunk_nbytes] rows of uint8 ----------------
+def encode(rows: torch.Tensor, codec: str) -> torch.Tensor:
+    """Each row of ``rows`` (k x m, any float dtype) as one compressed uint8 chunk."""
+    k, m = rows.shape
+    if codec == "bf16":
+        return rows.to(torch.bfloat16).view(torch.uint8).view(k, 2 * m)
+    blocks = int8_blocks(m)
+    padded = rows.new_zeros(k, blocks * INT8_BLOCK, dtype=torch.float32)
+    padded[:, :m] = rows
+    padded = padded.view(k, blocks, INT8_BLOCK)
+    scale = padded.abs().amax(dim=2) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(padded / scale.unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
+    out = torch.empty(k, chunk_nbytes(codec, m), dtype=torch.uint8, device=rows.device)
+    out[:, : blocks * INT8_BLOCK] = q.view(torch.uint8).view(k, -1)
+    out[:, blocks * INT8_BLOCK:] = scale.view(torch.uint8).view(k, -1)
+    return out
+
+
+def decode(chunks: torch.Tensor, codec: str, m: int) -> torch.Tensor:
+    """fp32 k x m values of k compressed chunks (``encode``'s inverse, up to rounding)."""
+    k = chunks.shape[0]
+    if codec == "bf16":
+        return chunks.contiguous().view(torch.bfloat16).view(k, m).float()
+    blocks = int8_blocks(m)
+    q = chunks[:, : blocks * INT8_BLOCK].contiguous().view(torch.int8).view(k, blocks, INT8_BLOCK)
+    scale = chunks[:, blocks * INT8_BLOCK:].contiguous().view(torch.float32).view(k, blocks, 1)
+    return (q.float() * scale).view(k, -1)[:, :m]
+
+
+def _with_feedback(rows: torch.Tensor, residual: torch.Tensor, codec: str) -> torch.Tensor:
+    """Encode rows + residual; the residual becomes what the encoding dropped."""
+    target = rows.float() + residual.float()
+    chunks = encode(target, codec)
+    residual.copy_(target - decode(chunks, codec, rows.shape[1]))
+    return chunks
+
+
+class _Finished:
+    """A PendingComm-like whose ``wait()`` waits for the collective(s) and then runs a
+    local finishing step (dequantize, sum) once."""
+
+    def __init__(self, first: PendingComm, finish):
+        self._first = first
+        self._finish = finish
+        self._result = None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result = self._finish(self._first.wait())
+            self._finish = None
+        return self._result
+
+
+# ---- the compressed collectives ------------------------------------------------------
+def reduce_scatter(c: Collectives, packed: torch.Tensor, residual: torch.Tensor, dim: str,
+                   phase: str, codec: str):
+    """Compressed form of reduce-scatter(packed k x m over ``dim``): this rank's m-element
+    sum, in packed's dtype (Note: compressed reductions)."""
+    k, m = packed.shape
+    chunks = _with_feedback(packed, residual, codec)
+    received = torch.empty_like(chunks)
+    first = c.all_to_all(received, chunks, dim, phase)
+    return _Finished(first, lambda got: decode(got, codec, m).sum(0).to(packed.dtype))
+
+
+def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim: str,
+               phase: str, codec: str):
+    """Compressed form of all-reduce(tensor over ``dim``): a compressed reduce-scatter,
+    then an all-gather of the compressed sums; ``residual`` is k x ceil(n/k)."""
+    n, k = tensor.numel(), c.info.size(dim)
+    m = residual.shape[1]
+    rows = tensor.new_zeros(k * m)
+    rows[:n] = tensor.view(-1)
+    chunks = _with_feedback(rows.view(k, m), residual, codec)
+    received = torch.empty_like(chunks)
+    first = c.all_to_all(received, chunks, dim, phase)
+    me = dist.get_rank(c.info.group(dim))
+
+    def finish(got: torch.Tensor) -> torch.Tensor:
+        total = decode(got, codec, m).sum(0, keepdim=True)
+        mine = encode(total, codec)
+        residual[me] += (total - decode(mine, codec, m))[0].to(residual.dtype)
+        gathered = mine.new_empty(k, mine.shape[1])
+        c.all_gather(gathered.view(-1), mine.view(-1), dim, phase).wait()
+        return decode(gathered, codec, m).reshape(-1)[:n].to(tensor.dtype).view_as(tensor)
+
+    return _Finished(first, finish)
+
+
+def all_gather(c: Collectives, send: torch.Tensor, dim: str, phase: str, codec: str):
+    """Compressed form of all-gather(send over ``dim``): k x numel in send's dtype, every
+    row (this rank's own included) dequantized from the same bytes."""
+    m, k = send.numel(), c.info.size(dim)
+    mine = encode(send.view(1, m), codec)
+    gathered = mine.new_empty(k, mine.shape[1])
+    first = c.all_gather(gathered.view(-1), mine.view(-1), dim, phase)
+    return _Finished(first, lambda got: decode(got.view(k, -1), codec, m).to(send.dtype)), mine
+
+
+def residual_rows(stage_input_numel: int, k: int) -> int:
+    """Columns of an all-reduce residual: the input padded to k equal chunks."""
+    return -(-stage_input_numel // k)
