@@ -132,6 +132,39 @@ def test_exposed_communication_is_logged(debug_run):
         assert hidden == pytest.approx(1 - exposed / total, abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def compressed_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("debug_cpu_compressed")
+    proc = torchrun(["--training.steps", "3", "--amsp.no-init-full-model",
+                     "--amsp.compress_grads", "int8", "--amsp.compress_weights", "bf16"], dump)
+    return dump, proc
+
+
+def test_compression_keys_compress_the_cross_node_stages(compressed_run, debug_run):
+    """p2-g2-os4 on 2 nodes of 2: the OS reduce-scatter and the post-step all-gather cross
+    nodes and are sent compressed; the P collectives inside a node are as in the exact run,
+    and the loss stays within int8's tolerance of it (the first step's is before any
+    exchange, so equal)."""
+    dump, proc = compressed_run
+    exact, tb = scalars(debug_run[0]), scalars(dump)
+    assert "cross-node stages compressed: grads=int8,weights=bf16" in proc.stdout + proc.stderr
+    for step in (1, 2, 3):
+        assert "comm/reduce_scatter/os/bytes" not in tb
+        assert tb["comm/all_to_all/os/count"][step] == exact["comm/reduce_scatter/os/count"][step]
+        ratio = tb["comm/all_to_all/os/bytes"][step] / exact["comm/reduce_scatter/os/bytes"][step]
+        assert 0.25 < ratio < 0.30, ratio  # int8 payload plus scales and block padding
+        assert tb["comm/all_gather/os/bytes"][step] == exact["comm/all_gather/os/bytes"][step] / 2
+        assert tb["comm/compressed_bytes"][step] == (tb["comm/all_to_all/os/bytes"][step]
+                                                     + tb["comm/all_gather/os/bytes"][step])
+        for tag in ("comm/all_gather/p/bytes", "comm/reduce_scatter/p/bytes"):
+            assert tb[tag][step] == exact[tag][step], tag
+        assert 0 < tb["amsp/residual_norm"][step] < 1
+        assert tb["memory_by_state/residual(MiB)"][step] > 0
+    got, want = losses(dump), losses(debug_run[0])
+    assert got[0] == pytest.approx(want[0], abs=1e-6)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 5e-3, (got, want)
+
+
 def test_memory_by_state_matches_the_plan(debug_run):
     """fp32 params, plan (2, 2, 4): P = 4/s_p, OS = 8/s_os bytes per param (padding aside:
     the two AdamW moments; the fp32 P shard is its own master).
@@ -228,6 +261,8 @@ def _main(argv, monkeypatch, capsys, world=4, local=2):
         (["--amsp.ranks_per_node", "3"], 4, "amsp.ranks_per_node=3: the world size 4"),
         (["--amsp.plan", "best"], 4, "amsp.plan='best':"),
         (["--amsp.reshard_after_forward", "3"], 4, "amsp.reshard_after_forward=3:"),
+        (["--amsp.compress_grads", "fp8"], 4,
+         "amsp.compress_grads='fp8': use one of bf16, int8, or \"\" to send grads exactly"),
         (["--model.name", "qwen3_amsp", "--model.flavor", "debugmodel_moe"], 4,
          "model.flavor='debugmodel_moe': qwen3_amsp debugmodel_moe has 8 MoE layers: "
          "torchtitan's MoE router counts tokens per expert with torch.histc on int64 expert "

@@ -89,7 +89,8 @@ class Collectives:
     def __init__(self, info: MeshInfo):
         self.info = info
 
-    def _event_args(self, op: str, dim: str, nbytes: int, phase: str) -> dict | None:
+    def _event_args(self, op: str, dim: str, nbytes: int, phase: str,
+                    codec: str | None = None) -> dict | None:
         if not active_recorders():
             return None
         return dict(
@@ -99,6 +100,7 @@ class Collectives:
             nbytes=nbytes,
             inter_node=self.info.crosses_nodes(dim),
             phase=phase,
+            codec=codec,
         )
 
     def _fsdp_event_args(self, op: str, group, nbytes: int, phase: str) -> dict | None:
@@ -117,9 +119,11 @@ class Collectives:
             phase=phase,
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
+                   codec: str | None = None):
         work = dist.all_gather_single(output, input, group=self.info.group(dim), async_op=True)
-        return PendingComm(work, self._event_args("all_gather", dim, _nbytes(output), phase), output)
+        args = self._event_args("all_gather", dim, _nbytes(output), phase, codec)
+        return PendingComm(work, args, output)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
         work = dist.reduce_scatter_single(
@@ -129,11 +133,13 @@ class Collectives:
             work, self._event_args("reduce_scatter", dim, _nbytes(input), phase), output
         )
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
+                   codec: str | None = None):
         """Row i of ``input`` (k rows) to rank i of the group; row j of ``output`` from
         rank j (compression.py's reduce-scatter)."""
         work = dist.all_to_all_single(output, input, group=self.info.group(dim), async_op=True)
-        return PendingComm(work, self._event_args("all_to_all", dim, _nbytes(input), phase), output)
+        args = self._event_args("all_to_all", dim, _nbytes(input), phase, codec)
+        return PendingComm(work, args, output)
 
     def all_reduce(self, tensor: torch.Tensor, dim: str, phase: str, op=dist.ReduceOp.SUM):
         work = dist.all_reduce(tensor, op=op, group=self.info.group(dim), async_op=True)

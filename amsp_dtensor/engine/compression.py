@@ -94,6 +94,12 @@ class _Finished:
         self._finish = finish
         self._result = None
 
+    @property
+    def result(self) -> torch.Tensor:
+        """The buffer alive now: the one being received into, then the finished values
+        (memory accounting reads it as it reads PendingComm.result)."""
+        return self._first.result if self._result is None else self._result
+
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             self._result = self._finish(self._first.wait())
@@ -109,7 +115,7 @@ def reduce_scatter(c: Collectives, packed: torch.Tensor, residual: torch.Tensor,
     k, m = packed.shape
     chunks = _with_feedback(packed, residual, codec)
     received = torch.empty_like(chunks)
-    first = c.all_to_all(received, chunks, dim, phase)
+    first = c.all_to_all(received, chunks, dim, phase, codec)
     return _Finished(first, lambda got: decode(got, codec, m).sum(0).to(packed.dtype))
 
 
@@ -123,7 +129,7 @@ def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim
     rows[:n] = tensor.view(-1)
     chunks = _with_feedback(rows.view(k, m), residual, codec)
     received = torch.empty_like(chunks)
-    first = c.all_to_all(received, chunks, dim, phase)
+    first = c.all_to_all(received, chunks, dim, phase, codec)
     me = dist.get_rank(c.info.group(dim))
 
     def finish(got: torch.Tensor) -> torch.Tensor:
@@ -131,7 +137,7 @@ def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim
         mine = encode(total, codec)
         residual[me] += (total - decode(mine, codec, m))[0].to(residual.dtype)
         gathered = mine.new_empty(k, mine.shape[1])
-        c.all_gather(gathered.view(-1), mine.view(-1), dim, phase).wait()
+        c.all_gather(gathered.view(-1), mine.view(-1), dim, phase, codec).wait()
         return decode(gathered, codec, m).reshape(-1)[:n].to(tensor.dtype).view_as(tensor)
 
     return _Finished(first, finish)
@@ -143,8 +149,15 @@ def all_gather(c: Collectives, send: torch.Tensor, dim: str, phase: str, codec: 
     m, k = send.numel(), c.info.size(dim)
     mine = encode(send.view(1, m), codec)
     gathered = mine.new_empty(k, mine.shape[1])
-    first = c.all_gather(gathered.view(-1), mine.view(-1), dim, phase)
+    first = c.all_gather(gathered.view(-1), mine.view(-1), dim, phase, codec)
     return _Finished(first, lambda got: decode(got.view(k, -1), codec, m).to(send.dtype)), mine
+
+
+def residual_norm(model: nn.Module) -> float:
+    """L2 norm of this rank's error-feedback residuals (0.0 when nothing is compressed)."""
+    total = sum(float(r.float().pow(2).sum()) for unit in root_state(model).units
+                for r in unit.residuals.values())
+    return total ** 0.5
 
 
 def residual_rows(stage_input_numel: int, k: int) -> int:

@@ -15,7 +15,9 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     grad: G buffers alive now (accumulating, synced, or still being reduced in a
       collective left in flight after backward);
     optim: fp32 masters plus optimizer states shaped like them (0 without optimizer; a
-      master that is a view into an fp32 P shard is counted once, as param).
+      master that is a view into an fp32 P shard is counted once, as param);
+    residual (only with ``amsp.set_compression(grads=...)``): the error-feedback residuals
+      of the compressed gradient stages.
     """
     state = root_state(model)
     param = grad = 0
@@ -33,7 +35,11 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
     grad += sum(e.pending.result.numel() * e.pending.result.element_size()
                 for e in state.in_flight)
     optim = optimizer.memory_bytes() if optimizer is not None else 0
-    return {"param": param, "grad": grad, "optim": optim}
+    out = {"param": param, "grad": grad, "optim": optim}
+    if state.compression.grads is not None:
+        out["residual"] = sum(r.numel() * r.element_size()
+                              for unit in state.units for r in unit.residuals.values())
+    return out
 
 
 def step_buffer_bytes(model: nn.Module) -> dict[str, int]:

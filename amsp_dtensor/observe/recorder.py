@@ -27,6 +27,7 @@ class CommEvent:
     phase: str  # "forward", "backward", "sync" (last-backward grad sync), "step", "other"
     seconds: float = 0.0  # issue -> completion (see the Note below)
     blocked_seconds: float = 0.0  # time the issuing thread spent waiting for it
+    codec: str | None = None  # amsp.set_compression's codec the buffer was sent in, if any
 
     def key(self) -> tuple:
         """What a schedule comparison looks at (no timing)."""

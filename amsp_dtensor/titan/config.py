@@ -52,6 +52,15 @@ class Amsp:
     landed, and start its post-step all-gather right away (amsp.set_overlap(step=)); with
     gradient clipping on the norm still needs every gradient first."""
 
+    compress_grads: str = ""
+    """"" = exact; "bf16" or "int8": the gradient stages whose group spans nodes (the
+    reduce-scatter over g or os, the replica all-reduce) are sent compressed, with error
+    feedback (amsp.set_compression(grads=)). Stages inside a node stay exact."""
+
+    compress_weights: str = ""
+    """"" = exact; "bf16" or "int8": the post-step all-gather of the new weights, when its
+    group spans nodes, is sent compressed (amsp.set_compression(weights=))."""
+
     gpu_memory_gib: float = 0.0
     """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
 

@@ -7,7 +7,10 @@ This subclass adds, through the same logger (TensorBoard/W&B):
   comm/exposed_seconds                    time this rank was blocked waiting for them
   comm/hidden_fraction                    1 - exposed / issue-to-completion time
                                           (observe/recorder.py, Note: comm timing)
+  comm/compressed_bytes                   bytes sent in a codec (amsp.set_compression)
+  amsp/residual_norm                      this rank's error-feedback residual norm
   memory_by_state/{param,grad,optim}(MiB) this rank's model states, amsp.memory_by_state
+                                          (and residual, when gradients are compressed)
   amsp/{s_p,s_g,s_os}                     the plan being run
 and drops "mfu(%)" where the peak FLOP rate is unknown (on CPU torchtitan would silently
 divide by an A100's peak).
@@ -43,6 +46,8 @@ def comm_scalars(events) -> dict[str, float]:
         out[f"{base}/bytes"] = out.get(f"{base}/bytes", 0) + e.nbytes
         out[f"{base}/seconds"] = out.get(f"{base}/seconds", 0.0) + e.seconds
         out[f"{base}/count"] = out.get(f"{base}/count", 0) + 1
+        if e.codec is not None:
+            out["comm/compressed_bytes"] = out.get("comm/compressed_bytes", 0) + e.nbytes
         loc = "inter" if e.inter_node else "intra"
         out[f"comm/{loc}_node_bytes"] = out.get(f"comm/{loc}_node_bytes", 0) + e.nbytes
     out.setdefault("comm/intra_node_bytes", 0)
@@ -64,8 +69,11 @@ class AmspMetricsProcessor(MetricsProcessor):
         if not self.peak_flops_known:
             self.logger = _DropKeys(self.logger, UNKNOWN_PEAK_KEYS)
 
-    def log_amsp(self, step: int, plan, events, memory_by_state: dict[str, int]) -> dict[str, float]:
+    def log_amsp(self, step: int, plan, events, memory_by_state: dict[str, int],
+                 residual_norm: float | None = None) -> dict[str, float]:
         metrics = {"amsp/s_p": plan.s_p, "amsp/s_g": plan.s_g, "amsp/s_os": plan.s_os}
+        if residual_norm is not None:
+            metrics["amsp/residual_norm"] = residual_norm
         metrics.update(comm_scalars(events))
         metrics.update(memory_scalars(memory_by_state))
         self.logger.log(metrics, step)

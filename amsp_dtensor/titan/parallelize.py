@@ -31,7 +31,7 @@ from torchtitan.tools.utils import device_type
 from ..engine import handle
 from ..compat import titan_sac_save_list
 
-from .validate import AmspConfigError, resolve_plan
+from .validate import AmspConfigError, compression_of, resolve_plan
 from .weights import init_full_model, keep_weights
 
 def amsp_plan_of(model: nn.Module):
@@ -160,6 +160,8 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         # torchtitan divides the loss by the global token count itself (Trainer.train_step):
         # the engine must sum gradients, not average them over ranks.
         amsp.set_gradient_divide_factor(model, 1.0)
+        # before torchtitan builds the optimizer (compressed weights need separate masters)
+        compression = amsp.set_compression(model, **vars(compression_of(job_config.amsp)))
         if full_init:
             keep_weights(model)
         under_tp = f" x tp {tp}" if tp > 1 else ""
@@ -167,6 +169,7 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
             f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
             f"on {plan.world_size} data-parallel ranks{under_tp}, {plan.ranks_per_node} per "
             f"node; mesh {plan.mesh_shape}"
+            + (f"; cross-node stages compressed: {compression}" if compression.enabled else "")
         )
         return model
 

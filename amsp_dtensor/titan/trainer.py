@@ -27,6 +27,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from .. import compat
+from ..engine.compression import residual_norm
 from ..engine.overlap import set_overlap
 from ..checkpoint import OTHER_SETTINGS, check_complete, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
@@ -144,7 +145,8 @@ class AmspTrainer(Trainer):
                 self.checkpointer.dcp_load, self.dataloader)
         self._microbatch = 0
         self.last_comm_events: list = []  # CommEvents of the last logged step
-        self._unlogged_steps: list = []  # (step, CommRecorder, memory_by_state) not yet logged
+        # (step, CommRecorder, memory_by_state, residual norm or None) not yet logged
+        self._unlogged_steps: list = []
 
     @property
     def amsp_enabled(self) -> bool:
@@ -173,8 +175,10 @@ class AmspTrainer(Trainer):
         with amsp.record_comms() as rec, _clip_through(self.optimizers):
             super().train_step(data_iterator)
         if self.metrics_processor.should_log(self.step):
-            memory = amsp.memory_by_state(self.model_parts[0], self.optimizers.optimizers[0])
-            self._unlogged_steps.append((self.step, rec, memory))
+            model = self.model_parts[0]
+            memory = amsp.memory_by_state(model, self.optimizers.optimizers[0])
+            residual = (residual_norm(model) if "residual" in memory else None)
+            self._unlogged_steps.append((self.step, rec, memory, residual))
         last = self.step >= self.job_config.training.steps
         if last:
             # Nothing left to overlap the post-step all-gather with: complete it now.
@@ -191,8 +195,9 @@ class AmspTrainer(Trainer):
         N+1 has run (without overlap they are complete already; the lag is harmless).
         """
         ready = self._unlogged_steps[:-1] if keep_newest else self._unlogged_steps
-        for step, rec, memory in ready:
+        for step, rec, memory, residual in ready:
             self.last_comm_events = list(rec.events)
             if hasattr(self.metrics_processor, "log_amsp"):
-                self.metrics_processor.log_amsp(step, self.amsp_plan, self.last_comm_events, memory)
+                self.metrics_processor.log_amsp(step, self.amsp_plan, self.last_comm_events,
+                                                memory, residual)
         self._unlogged_steps = self._unlogged_steps[len(ready):]

@@ -12,6 +12,7 @@ from typing import Any
 
 from amsp_dtensor.plan.sharding_plan import STRATEGY_NAMES, ResolvedPlan, ShardingPlan, valid_factors
 from amsp_dtensor.plan.sharding_plan import _resolve_factor
+from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import KNOWN_KEYS, Amsp, AmspConfigError
 
@@ -184,4 +185,18 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
                 f"{e} (under parallelism.tensor_parallel_degree={tp} the factors are those of "
                 f"the data-parallel world: {world} / {tp} ranks)") from None
     check_reshard_after_forward(cfg, plan)
+    compression_of(cfg)
     return plan
+
+
+def compression_of(cfg: Amsp) -> Compression:
+    """amsp.compress_grads / amsp.compress_weights as amsp.set_compression's setting."""
+    values = {}
+    for key in ("grads", "weights"):
+        value = getattr(cfg, f"compress_{key}")
+        if not isinstance(value, str) or (value and value not in CODECS):
+            raise AmspConfigError(
+                f"amsp.compress_{key}={value!r}: use one of {', '.join(CODECS)}, or \"\" to "
+                f"send {key} exactly")
+        values[key] = value or None
+    return Compression(**values)
