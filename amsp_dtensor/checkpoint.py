@@ -28,7 +28,10 @@ What a checkpoint holds: the model, the optimizer (unless ``optimizer=None``), t
 each rank's RNG state (torch CPU, and CUDA when present; restored when the world size is
 unchanged), ``extra`` (the caller's values every rank holds alike, e.g. the global
 sample count: DCP saves a key all ranks hold once) and ``rank_extra`` (each rank's own,
-e.g. its data loader position; saved per rank and restored on the same world size only).
+e.g. its data loader position; saved per rank and restored on the same world size only),
+and with ``amsp.set_compression(grads=...)`` each rank's error-feedback residuals, restored
+when the plan, world and codec are the ones they were saved under (otherwise they start
+from zero, with one warning).
 """
 
 from __future__ import annotations
@@ -126,7 +129,65 @@ def _job_state(model, optimizer, step: int, extra: dict | None,
         state["extra"] = extra
     if rank_extra is not None:
         state["rank_extra"] = {f"rank{_rank()}": rank_extra}
+    key = _residual_key(model)
+    if key is not None:
+        root = handle.root_state(model)
+        state["residuals"] = {"key": key, f"rank{_rank()}": {
+            f"{i}.{name}": r for i, unit in enumerate(root.units)
+            for name, r in unit.residual_state().items()}}
     return state
+
+
+def _residual_key(model) -> str | None:
+    """What the residuals' layout depends on: plan, world and codec (None: no residuals)."""
+    root = handle.root_of(model)
+    if root is None or root.compression.grads is None:
+        return None
+    plan = root.info.plan
+    return (f"{plan.name} on {plan.world_size} ranks, {plan.ranks_per_node} per node, "
+            f"grads={root.compression.grads}")
+
+
+def _saved_residual_key(path: Path) -> str | None:
+    info = {"key": ""}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"residuals": info}, checkpoint_id=path, no_dist=True)
+    except Exception:  # saved without compressed gradients
+        return None
+    return info["key"]
+
+
+def _residuals_to_load(path: Path, state: dict) -> str | None:
+    """Put this rank's saved residuals (allocated from the metadata's shapes) into
+    ``state`` if they fit this job; else drop them and return why (for one warning)."""
+    want = state.get("residuals", {}).get("key")
+    if want is None:
+        return None
+    saved = _saved_residual_key(path)
+    if saved != want:
+        state.pop("residuals")
+        return (f"{path} holds error-feedback residuals for {saved}" if saved else
+                f"{path} holds no error-feedback residuals") + (
+                f" and this job runs {want}: they start from zero")
+    prefix = f"residuals.rank{_rank()}."
+    metadata = FileSystemReader(str(path)).read_metadata()
+    state["residuals"][f"rank{_rank()}"] = {
+        key[len(prefix):]: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    return None
+
+
+def _restore_residuals(model, state: dict) -> None:
+    if "residuals" not in state:
+        return
+    mine = state["residuals"][f"rank{_rank()}"]
+    units = handle.root_state(model).units
+    for i, unit in enumerate(units):
+        unit.load_residuals({key.split(".", 1)[1]: value for key, value in mine.items()
+                             if key.split(".", 1)[0] == str(i)})
 
 
 def save(directory: str | Path, step: int, model, optimizer=None, *, extra: dict | None = None,
@@ -174,7 +235,11 @@ def load(path: str | Path, model, optimizer=None, *, extra: dict | None = None,
     for key in ("rng", "rank_extra"):
         if not same_world:
             state.pop(key, None)
+    residuals_reset = _residuals_to_load(path, state)
     dcp.load(state, checkpoint_id=path)
+    _restore_residuals(model, state)
+    if residuals_reset and _rank() == 0:
+        warnings.warn(residuals_reset, stacklevel=2)
     if optimizer is not None:
         optimizer.load_state_dict(state["optim"])
     else:

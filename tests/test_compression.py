@@ -93,10 +93,67 @@ def _case(rank, world, plan, setting):
                          compression=setting)
 
 
+def _checkpoint_case(rank, world, folder):
+    """Save at step 2 of 4 under int8 gradients (p1-g1-os4: the os reduce-scatter crosses
+    nodes), then resume from it twice: under the same plan (residuals restored) and under
+    p1-g1-os2 (rep crosses; other residual shapes: reset with a warning)."""
+    import warnings
+
+    from amsp_dtensor import checkpoint
+    from amsp_dtensor.engine.handle import root_state
+    from amsp_dtensor.testing.scenarios import (
+        global_batches, make_model, micro_batch_backwards, plan_mesh, shard_model)
+
+    def build(plan):
+        model = make_model(torch.float32)
+        sharding = amsp.ShardingPlan(*plan)
+        shard_model(model, plan_mesh(sharding, PER_NODE), sharding)
+        amsp.set_compression(model, grads="int8")
+        return model, amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-3)
+
+    def train(model, optim, steps):
+        losses = []
+        for step in steps:
+            batch = global_batches(step, world, MICRO_BATCHES, model.cfg)
+            total = sum(float(loss) for _, _, loss in
+                        micro_batch_backwards(model, batch, rank, world, MICRO_BATCHES))
+            optim.step()
+            optim.zero_grad()
+            losses.append(total)
+        return losses
+
+    def residuals(model):
+        return {f"{i}.{k}": v.clone() for i, u in enumerate(root_state(model).units)
+                for k, v in u.residual_state().items()}
+
+    model, optim = build((1, 1, 4))
+    train(model, optim, range(2))
+    checkpoint.save(folder, 2, model, optim)
+    saved = residuals(model)
+    straight = train(model, optim, range(2, 4))
+    out = {"straight": straight, "saved_residuals": len(saved)}
+    model, optim = build((1, 1, 4))
+    checkpoint.load(checkpoint.step_path(folder, 2), model, optim)
+    loaded = residuals(model)
+    out["residuals_equal"] = loaded.keys() == saved.keys() and all(
+        torch.equal(loaded[k], saved[k]) for k in saved)
+    out["resumed"] = train(model, optim, range(2, 4))
+    model, optim = build((1, 1, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.load(checkpoint.step_path(folder, 2), model, optim)
+    out["other_plan_warnings"] = [str(w.message) for w in caught
+                                  if "error-feedback" in str(w.message)]
+    out["other_plan_residuals"] = len(residuals(model))
+    out["other_plan_trains"] = train(model, optim, range(2, 3))
+    return out
+
+
 @pytest.fixture(scope="module")
-def world():
+def world(tmp_path_factory):
     cases = {plan: partial(_case, plan=plan, setting=s) for plan, s in CASES.items()}
     cases["misuse"] = _misuse_case
+    cases["checkpoint"] = partial(_checkpoint_case, folder=str(tmp_path_factory.mktemp("ckpt")))
     return run_cases(cases, WORLD, PER_NODE, timeout=1200)
 
 
@@ -205,3 +262,17 @@ def test_misuse_is_refused_naming_the_fix(world):
             "ValueError: set_compression(weights='bf16') after AMSPOptimizer was built: call "
             "amsp.set_compression before building the optimizer (with fp32 parameters its "
             "masters are views into them unless weights are compressed)")
+
+
+def test_checkpoint_keeps_the_residuals_and_resets_them_on_another_plan(world):
+    results = world.get("checkpoint")
+    for rank, got in enumerate(results):
+        assert got["saved_residuals"] > 0 and got["residuals_equal"], rank
+        assert got["resumed"] == got["straight"], rank  # bit for bit, residuals included
+        assert got["other_plan_residuals"] == 0
+    warned = [got["other_plan_warnings"] for got in results]
+    # rank 0 alone warns, once, naming both settings
+    assert len(warned[0]) == 1 and not any(warned[1:]), warned
+    assert warned[0][0].endswith(
+        "holds error-feedback residuals for p1-g1-os4 on 4 ranks, 2 per node, grads=int8 and "
+        "this job runs p1-g1-os2 on 4 ranks, 2 per node, grads=int8: they start from zero")

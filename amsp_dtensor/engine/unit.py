@@ -305,6 +305,14 @@ class AMSPUnit:
         """Forget the error feedback (the compression setting changed)."""
         self.residuals = {}
 
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals by stage name (checkpoint.py saves them)."""
+        return {stage.value: r for stage, r in self.residuals.items()}
+
+    def load_residuals(self, state: dict[str, torch.Tensor]) -> None:
+        """Residuals saved by ``residual_state`` (same plan, world and codec)."""
+        self.residuals = {GradStage(name): r.to(self.grad_dtype()) for name, r in state.items()}
+
     def _issue(self, stage: GradStage, keepalive, issue) -> None:
         with record_function(self.profile_label(f"AMSP::{stage.value}_issue")):
             pending = issue(self.root.collectives)
