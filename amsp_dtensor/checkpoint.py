@@ -149,13 +149,13 @@ def _residual_key(model) -> str | None:
 
 
 def _saved_residual_key(path: Path) -> str | None:
-    info = {"key": ""}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"residuals": info}, checkpoint_id=path, no_dist=True)
-    except Exception:  # saved without compressed gradients
+    """The key the residuals were saved under (None: saved without compressed grads)."""
+    if "residuals.key" not in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
         return None
+    info = {"key": ""}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"residuals": info}, checkpoint_id=path, no_dist=True)
     return info["key"]
 
 

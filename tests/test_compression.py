@@ -67,9 +67,22 @@ def test_error_feedback_telescopes():
     assert residual.abs().max() < 0.05  # bounded by half a step, not 20 of them
 
 
+def test_without_feedback_the_error_is_lost():
+    """The same stream without a residual: the sums drift by the accumulated rounding."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 300) * 1e-3 + 0.05 for _ in range(20)]
+    sent = sum(C.decode(C._with_feedback(x, None, "int8"), "int8", 300).double() for x in xs)
+    residual = torch.zeros(4, 300)
+    fed = sum(C.decode(C._with_feedback(x, residual, "int8"), "int8", 300).double() for x in xs)
+    true = sum(x.double() for x in xs)
+    assert (fed - true).abs().max() < (sent - true).abs().max() / 4
+
+
 def test_bad_settings_are_refused_in_one_line():
     with pytest.raises(ValueError, match="compression grads='fp8' is not a codec: use one of bf16, int8"):
         Compression(grads="fp8")
+    with pytest.raises(TypeError, match="error_feedback must be a bool, got 'no'"):
+        Compression(grads="int8", error_feedback="no")
     with pytest.raises(ValueError, match="expected grads=CODEC and/or weights=CODEC"):
         Compression.parse("gradients=int8")
     assert Compression.parse("grads=int8,weights=none") == Compression(grads="int8")
@@ -104,11 +117,11 @@ def _checkpoint_case(rank, world, folder):
     from amsp_dtensor.testing.scenarios import (
         global_batches, make_model, micro_batch_backwards, plan_mesh, shard_model)
 
-    def build(plan):
+    def build(plan, grads="int8"):
         model = make_model(torch.float32)
         sharding = amsp.ShardingPlan(*plan)
         shard_model(model, plan_mesh(sharding, PER_NODE), sharding)
-        amsp.set_compression(model, grads="int8")
+        amsp.set_compression(model, grads=grads)
         return model, amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-3)
 
     def train(model, optim, steps):
@@ -126,12 +139,22 @@ def _checkpoint_case(rank, world, folder):
         return {f"{i}.{k}": v.clone() for i, u in enumerate(root_state(model).units)
                 for k, v in u.residual_state().items()}
 
+    out = {}
+    model, optim = build((1, 1, 4), None)
+    train(model, optim, range(1))
+    checkpoint.save(folder, 1, model, optim)  # exact: no residuals in it
+    model, optim = build((1, 1, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.load(checkpoint.step_path(folder, 1), model, optim)
+    out["no_residuals_warnings"] = [str(w.message) for w in caught
+                                    if "error-feedback" in str(w.message)]
     model, optim = build((1, 1, 4))
     train(model, optim, range(2))
     checkpoint.save(folder, 2, model, optim)
     saved = residuals(model)
     straight = train(model, optim, range(2, 4))
-    out = {"straight": straight, "saved_residuals": len(saved)}
+    out.update(straight=straight, saved_residuals=len(saved), folder=folder)
     model, optim = build((1, 1, 4))
     checkpoint.load(checkpoint.step_path(folder, 2), model, optim)
     loaded = residuals(model)
@@ -233,6 +256,8 @@ def test_losses_stay_within_the_codec_tolerance(world, reference, plan):
 
 def _misuse_case(rank, world):
     """Messages of the refused calls; the group still trains after them."""
+    import warnings
+
     from amsp_dtensor.testing.scenarios import make_model, plan_mesh, shard_model
 
     plan = amsp.ShardingPlan(1, 1, 4)
@@ -251,6 +276,13 @@ def _misuse_case(rank, world):
         out["weights after optimizer"] = f"{type(exc).__name__}: {exc}"
     out["kept"] = str(amsp.set_compression(model, grads="bf16"))  # grads may change
     del optim
+    # a plan with every stage inside a node (one node of 4 here): one warning, no error
+    inside = make_model(torch.float32)
+    shard_model(inside, plan_mesh(amsp.ShardingPlan(1, 1, 4), WORLD), amsp.ShardingPlan(1, 1, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amsp.set_compression(inside, grads="int8")
+    out["inside a node"] = [str(w.message) for w in caught]
     return out
 
 
@@ -262,6 +294,10 @@ def test_misuse_is_refused_naming_the_fix(world):
             "ValueError: set_compression(weights='bf16') after AMSPOptimizer was built: call "
             "amsp.set_compression before building the optimizer (with fp32 parameters its "
             "masters are views into them unless weights are compressed)")
+        assert result["inside a node"] == [
+            "set_compression(grads=int8): no stage of plan p1-g1-os4 on 4 ranks per node "
+            "crosses nodes, so nothing is compressed (stages inside a node are always sent "
+            "exactly)"]
 
 
 def test_checkpoint_keeps_the_residuals_and_resets_them_on_another_plan(world):
@@ -270,6 +306,10 @@ def test_checkpoint_keeps_the_residuals_and_resets_them_on_another_plan(world):
         assert got["saved_residuals"] > 0 and got["residuals_equal"], rank
         assert got["resumed"] == got["straight"], rank  # bit for bit, residuals included
         assert got["other_plan_residuals"] == 0
+    assert results[0]["no_residuals_warnings"] == [
+        f"{results[0]['folder']}/step-1 holds no error-feedback residuals and this job runs "
+        "p1-g1-os4 on 4 ranks, 2 per node, grads=int8: they start from zero"]
+    assert not any(got["no_residuals_warnings"] for got in results[1:])
     warned = [got["other_plan_warnings"] for got in results]
     # rank 0 alone warns, once, naming both settings
     assert len(warned[0]) == 1 and not any(warned[1:]), warned

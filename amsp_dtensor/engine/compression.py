@@ -34,17 +34,21 @@ __all__ = ["Compression", "set_compression"]
 
 
 def set_compression(model: nn.Module, *, grads: str | None = None,
-                    weights: str | None = None) -> Compression:
+                    weights: str | None = None, error_feedback: bool = True) -> Compression:
     """Compress the cross-node stages of the root ``model`` (off by default: exact).
 
     ``grads``: codec of the gradient stages whose group spans nodes (reduce-scatter over
     "g" or "os", the replica all-reduce), with error feedback; ``weights``: codec of the
     post-step all-gather when its group spans nodes. Codecs: "bf16", "int8" (blockwise,
     one fp32 scale per 256 elements), None (exact). Stages inside a node stay exact.
-    Call between steps; ``weights`` before building AMSPOptimizer. Changing ``grads``
-    drops the error-feedback residuals. Returns the setting now in force.
+    ``error_feedback=False`` sends each step's gradients alone (to measure what the
+    feedback does; the quantization error is then lost). Call between steps; ``weights``
+    before building AMSPOptimizer. Changing ``grads`` or the feedback drops the
+    residuals. A setting that compresses nothing, because no stage of the plan crosses
+    nodes, warns once. Returns the setting now in force.
     """
-    return root_state(model).set_compression(Compression(grads=grads, weights=weights))
+    setting = Compression(grads=grads, weights=weights, error_feedback=error_feedback)
+    return root_state(model).set_compression(setting)
 
 
 # ---- codecs: [k, m] rows of values <-> [k, chunk_nbytes] rows of uint8 ----------------
@@ -77,8 +81,11 @@ def decode(chunks: torch.Tensor, codec: str, m: int) -> torch.Tensor:
     return (q.float() * scale).view(k, -1)[:, :m]
 
 
-def _with_feedback(rows: torch.Tensor, residual: torch.Tensor, codec: str) -> torch.Tensor:
-    """Encode rows + residual; the residual becomes what the encoding dropped."""
+def _with_feedback(rows: torch.Tensor, residual: torch.Tensor | None, codec: str) -> torch.Tensor:
+    """Encode rows + residual; the residual becomes what the encoding dropped (None:
+    error feedback off, the rows alone are encoded)."""
+    if residual is None:
+        return encode(rows, codec)
     target = rows.float() + residual.float()
     chunks = encode(target, codec)
     residual.copy_(target - decode(chunks, codec, rows.shape[1]))
@@ -124,7 +131,7 @@ def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim
     """Compressed form of all-reduce(tensor over ``dim``): a compressed reduce-scatter,
     then an all-gather of the compressed sums; ``residual`` is k x ceil(n/k)."""
     n, k = tensor.numel(), c.info.size(dim)
-    m = residual.shape[1]
+    m = residual_rows(n, k)
     rows = tensor.new_zeros(k * m)
     rows[:n] = tensor.view(-1)
     chunks = _with_feedback(rows.view(k, m), residual, codec)
@@ -135,7 +142,8 @@ def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim
     def finish(got: torch.Tensor) -> torch.Tensor:
         total = decode(got, codec, m).sum(0, keepdim=True)
         mine = encode(total, codec)
-        residual[me] += (total - decode(mine, codec, m))[0].to(residual.dtype)
+        if residual is not None:
+            residual[me] += (total - decode(mine, codec, m))[0].to(residual.dtype)
         gathered = mine.new_empty(k, mine.shape[1])
         c.all_gather(gathered.view(-1), mine.view(-1), dim, phase, codec).wait()
         return decode(gathered, codec, m).reshape(-1)[:n].to(tensor.dtype).view_as(tensor)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -126,11 +127,23 @@ class RootState:
                 "parameters its masters are views into them unless weights are compressed)"
             )
         self.finish_sync()  # stages in flight complete with the codec they were issued with
-        if setting.grads != self.compression.grads:
+        if (setting.grads, setting.error_feedback) != (self.compression.grads,
+                                                       self.compression.error_feedback):
             for unit in self.units:
                 unit.drop_residuals()
         self.compression = setting
+        if setting.enabled and not self._crossing_stages():
+            warnings.warn(
+                f"set_compression({setting}): no stage of plan {self.info.plan.name} on "
+                f"{self.info.plan.ranks_per_node} ranks per node crosses nodes, so nothing is "
+                "compressed (stages inside a node are always sent exactly)", stacklevel=3)
         return setting
+
+    def _crossing_stages(self) -> list[str]:
+        """The mesh dims of this plan's gradient stages and post-step all-gather that span
+        nodes (what compression can apply to)."""
+        sizes = {dim: self.info.size(dim) for dim in ("g", "os", "rep")}
+        return [dim for dim, size in sizes.items() if size > 1 and self.info.crosses_nodes(dim)]
 
     def bind_optimizer(self, overlap_param_update: bool) -> None:
         self.optimizer_bound = True

@@ -294,7 +294,9 @@ class AMSPUnit:
             return None
         return codec if codec_applies(codec, self.params[0].dtype.itemsize) else None
 
-    def _residual(self, stage: GradStage, shape) -> torch.Tensor:
+    def _residual(self, stage: GradStage, shape) -> torch.Tensor | None:
+        if not self.root.compression.error_feedback:
+            return None
         residual = self.residuals.get(stage)
         if residual is None or residual.shape != torch.Size(shape):
             residual = torch.zeros(shape, dtype=self.grad_dtype(), device=self.device)

@@ -48,8 +48,11 @@ class Compression:
 
     grads: str | None = None
     weights: str | None = None
+    error_feedback: bool = True  # grads: the dropped error is added to the next step's
 
     def __post_init__(self):
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"compression error_feedback must be a bool, got {self.error_feedback!r}")
         for key in ("grads", "weights"):
             value = getattr(self, key)
             if value is not None and value not in CODECS:
@@ -83,5 +86,6 @@ class Compression:
     def __str__(self) -> str:
         if not self.enabled:
             return "none"
-        return ",".join(f"{k}={getattr(self, k)}" for k in ("grads", "weights")
+        text = ",".join(f"{k}={getattr(self, k)}" for k in ("grads", "weights")
                         if getattr(self, k) is not None)
+        return text if self.error_feedback or self.grads is None else text + " (no error feedback)"

@@ -36,6 +36,7 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from ..compat import destroy_process_group_at_exit
 
@@ -88,7 +89,7 @@ def _join(ctx, timeout: float) -> str | None:
                 for p in ctx.processes:
                     p.join()
                 return f"the world did not finish within {timeout:g}s and was killed"
-    except mp.ProcessException as e:  # a rank died (signal, os._exit): join killed the rest
+    except ProcessException as e:  # a rank died (signal, os._exit): join killed the rest
         return f"a rank process died: {e}"
     return None
 

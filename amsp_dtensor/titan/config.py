@@ -61,6 +61,10 @@ class Amsp:
     """"" = exact; "bf16" or "int8": the post-step all-gather of the new weights, when its
     group spans nodes, is sent compressed (amsp.set_compression(weights=))."""
 
+    compress_error_feedback: bool = True
+    """With compress_grads: add what quantization dropped to the next step's gradients
+    (False only to measure what the feedback does)."""
+
     gpu_memory_gib: float = 0.0
     """Memory per rank the planner may use (plan = "auto"); 0 = ask the device."""
 

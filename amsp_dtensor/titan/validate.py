@@ -199,4 +199,4 @@ def compression_of(cfg: Amsp) -> Compression:
                 f"amsp.compress_{key}={value!r}: use one of {', '.join(CODECS)}, or \"\" to "
                 f"send {key} exactly")
         values[key] = value or None
-    return Compression(**values)
+    return Compression(**values, error_feedback=bool(cfg.compress_error_feedback))
