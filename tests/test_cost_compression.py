@@ -319,3 +319,13 @@ def test_cli_bad_codec_is_one_line(capsys):
     lines = captured.err.strip().splitlines()
     assert captured.out == "" and len(lines) == 1, captured.err
     assert "--compress" in lines[0] and "valid codecs: bf16, int8" in lines[0]
+
+
+def test_schedule_differences_takes_compression():
+    from amsp_dtensor.plan.cost.check import schedule_differences
+
+    plan = _plan(1, 8, 8, 8, 4)
+    recorded = list(event_counter(predicted_events(
+        plan, UNIT, 1, 4, None, compression=INT8)).elements())
+    assert schedule_differences(plan, UNIT, 1, 4, None, recorded, compression=INT8) == []
+    assert schedule_differences(plan, UNIT, 1, 4, None, recorded) != []

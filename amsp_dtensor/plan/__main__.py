@@ -333,31 +333,33 @@ def compression_rows(report: PlanReport, exact: PlanReport) -> list[dict]:
 
 def render_compression(compression: Compression, rows: list[dict]) -> str:
     lines = [
-        f"compression {compression} (only stages whose group spans nodes): per GPU, per step",
-        f" {'':<13}{'plan':<18}{'cross-node buffer GB':^20}{'cross-node wire GB':^26}"
-        f"{'step (ms)':^18}{'codec':>8}{'memory (GiB)':^16}",
-        f" {'':<13}{'':<18}{'exact':>9}{'compr.':>9} {'exact':>9}{'compr.':>9}{'ratio':>7}"
-        f"{'exact':>10}{'compr.':>9}{'ms':>8}{'exact':>8}{'compr.':>8}",
+        f"compression {compression}: only stages whose group spans nodes; per GPU, per step",
+        f" {'':<16}{'cross-node wire GB':^22}{'buffer GB':^16}{'step ms':^18}{'codec':>7}"
+        f"{'mem GiB':^16}",
+        f" {'plan':<16}{'exact':>8}{'compr.':>8}{'ratio':>6}{'exact':>8}{'compr.':>8}"
+        f"{'exact':>9}{'compr.':>9}{'ms':>7}{'exact':>8}{'compr.':>8}",
     ]
     for r in rows:
         ratio = (r["wire_bytes_inter_compressed"] / r["wire_bytes_inter_exact"]
                  if r["wire_bytes_inter_exact"] else 1.0)
         tp = f" tp{r['tensor_parallel_degree']}" if r["tensor_parallel_degree"] > 1 else ""
+        mark = "*" if r["role"] == "chosen" else "e"
         lines.append(
-            f" {r['role']:<13}{(r['plan'] + tp)[:18]:<18}"
-            f"{r['bytes_inter_exact'] / 1e9:9.2f}{r['bytes_inter_compressed'] / 1e9:9.2f} "
-            f"{r['wire_bytes_inter_exact'] / 1e9:9.2f}"
-            f"{r['wire_bytes_inter_compressed'] / 1e9:9.2f}{ratio:7.3f}"
-            f"{r['step_seconds_exact'] * 1e3:10.1f}"
-            f"{r['step_seconds_compressed'] * 1e3:9.1f}{r['codec_seconds'] * 1e3:8.1f}"
+            f"{mark}{(r['plan'] + tp)[:16]:<16}"
+            f"{r['wire_bytes_inter_exact'] / 1e9:8.2f}"
+            f"{r['wire_bytes_inter_compressed'] / 1e9:8.2f}{ratio:6.3f}"
+            f"{r['bytes_inter_exact'] / 1e9:8.2f}{r['bytes_inter_compressed'] / 1e9:8.2f}"
+            f"{r['step_seconds_exact'] * 1e3:9.1f}{r['step_seconds_compressed'] * 1e3:9.1f}"
+            f"{r['codec_seconds'] * 1e3:7.1f}"
             f"{r['memory_exact'] / GiB:7.2f}{'' if r['fits_exact'] else '!':1}"
             f"{r['memory_compressed'] / GiB:7.2f}{'' if r['fits_compressed'] else '!':1}")
     lines += [
-        " The plan table above is ranked with compression. buffer: recorder convention (a",
-        " compressed all-reduce is an all-to-all plus an all-gather, two buffers); wire: bytes",
-        " one GPU sends (ratio: compressed / exact). codec: encode/decode time in the step.",
-        " Memory adds the error-feedback residuals (and an fp32 master for fp32 params with",
-        " weights compressed).",
+        "* chosen with compression (the plan table above is ranked with it); e: the plan",
+        "chosen without it. wire: bytes one GPU sends in groups that span nodes (ratio:",
+        "compressed / exact); buffer: recorder convention, where a compressed all-reduce is",
+        "an all-to-all plus an all-gather (two buffers). codec: encode/decode time in the",
+        "step. Memory adds the error-feedback residuals (and, for fp32 params with weights",
+        "compressed, a separate fp32 master).",
     ]
     return "\n".join(line.rstrip() for line in lines)
 
