@@ -7,6 +7,9 @@ With tensor parallelism, torchtitan's 2-D layout (TP inside a node, AMSP over th
   ... --tp 8        plans of the data-parallel world (gpus / 8 ranks) beside TP degree 8
   ... --tp auto     every TP degree dividing the node (up to 8) at one global batch: a
                     (tp, plan) table, then the fastest pair that fits
+With compression of the cross-node stages (the engine's amsp.set_compression):
+  ... --compress grads=int8,weights=bf16   plans ranked with the compressed stages, then
+                    the chosen plan(s)' cross-node bytes and step time, exact vs compressed
 Errors (unknown model, conflicting model flags, non-finite or non-positive numbers, impossible
 topologies, nothing fits, bad bandwidth table) print one line naming the flag on stderr and
 exit with status 2.
@@ -20,6 +23,7 @@ import math
 import sys
 
 from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError
+from amsp_dtensor.plan.cost.compression import CODECS, Compression
 from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
 from amsp_dtensor.plan.cost.nccl import NcclModel
 from amsp_dtensor.plan.cost.planner import (
@@ -60,6 +64,13 @@ def _tp(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"invalid value {text!r} (a TP degree or 'auto')") from None
+
+
+def _compress(text: str) -> Compression:
+    try:
+        return Compression.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-param-update", action="store_true",
                    help="the post-step all-gather overlaps the next forward "
                    "(AMSPOptimizer(overlap_param_update=True))")
+    p.add_argument("--compress", type=_compress, default=Compression(),
+                   metavar="grads=CODEC,weights=CODEC|none",
+                   help="compress the stages whose group spans nodes, as the engine's "
+                   f"amsp.set_compression does (CODEC: {', '.join(CODECS)}); plans are ranked "
+                   "with it and the chosen plan's cross-node bytes are shown exact vs "
+                   "compressed (default none)")
     p.add_argument("--bandwidth", help="bandwidth table JSON from python -m amsp_dtensor.plan.profile "
                    "(used where it has data; NCCL's model elsewhere)")
     p.add_argument("--top", type=int, default=8, help="plans to list (default 8)")
@@ -282,6 +299,71 @@ def render_tp_table(report: PlanReport) -> str:
     return "\n".join(lines)
 
 
+def _same_plan(report: PlanReport, tp: int, name: str) -> PlanEstimate | None:
+    """The estimate of plan `name` at TP degree `tp` in a report (None if absent)."""
+    r = report.by_tp.get(tp, report) if report.by_tp else report
+    if r.tp != tp:
+        return None
+    return next((c for c in r.candidates if c.plan.name == name), None)
+
+
+def compression_rows(report: PlanReport, exact: PlanReport) -> list[dict]:
+    """The chosen plan with compression and, if another, the chosen plan without it:
+    cross-node buffer bytes per step and step time, exact vs compressed."""
+    rows = []
+    picks = [("chosen", report.best.tp, report.best.plan.name)]
+    if (exact.best.tp, exact.best.plan.name) != picks[0][1:]:
+        picks.append(("chosen exact", exact.best.tp, exact.best.plan.name))
+    for role, tp, name in picks:
+        comp, ex = _same_plan(report, tp, name), _same_plan(exact, tp, name)
+        if comp is None or ex is None:
+            continue
+        rows.append({"role": role, "plan": name, "tensor_parallel_degree": tp,
+                     "bytes_inter_exact": comp.bytes_inter_exact,
+                     "bytes_inter_compressed": comp.bytes_inter,
+                     "wire_bytes_inter_exact": comp.wire_bytes_inter_exact,
+                     "wire_bytes_inter_compressed": comp.wire_bytes_inter,
+                     "step_seconds_exact": ex.step_seconds,
+                     "step_seconds_compressed": comp.step_seconds,
+                     "codec_seconds": comp.step.codec_seconds if comp.step else 0.0,
+                     "memory_exact": ex.memory.total, "memory_compressed": comp.memory.total,
+                     "fits_exact": ex.fits, "fits_compressed": comp.fits})
+    return rows
+
+
+def render_compression(compression: Compression, rows: list[dict]) -> str:
+    lines = [
+        f"compression {compression}: only stages whose group spans nodes; per GPU, per step",
+        f" {'':<16}{'cross-node wire GB':^22}{'buffer GB':^16}{'step ms':^18}{'codec':>7}"
+        f"{'mem GiB':^16}",
+        f" {'plan':<16}{'exact':>8}{'compr.':>8}{'ratio':>6}{'exact':>8}{'compr.':>8}"
+        f"{'exact':>9}{'compr.':>9}{'ms':>7}{'exact':>8}{'compr.':>8}",
+    ]
+    for r in rows:
+        ratio = (r["wire_bytes_inter_compressed"] / r["wire_bytes_inter_exact"]
+                 if r["wire_bytes_inter_exact"] else 1.0)
+        tp = f" tp{r['tensor_parallel_degree']}" if r["tensor_parallel_degree"] > 1 else ""
+        mark = "*" if r["role"] == "chosen" else "e"
+        lines.append(
+            f"{mark}{(r['plan'] + tp)[:16]:<16}"
+            f"{r['wire_bytes_inter_exact'] / 1e9:8.2f}"
+            f"{r['wire_bytes_inter_compressed'] / 1e9:8.2f}{ratio:6.3f}"
+            f"{r['bytes_inter_exact'] / 1e9:8.2f}{r['bytes_inter_compressed'] / 1e9:8.2f}"
+            f"{r['step_seconds_exact'] * 1e3:9.1f}{r['step_seconds_compressed'] * 1e3:9.1f}"
+            f"{r['codec_seconds'] * 1e3:7.1f}"
+            f"{r['memory_exact'] / GiB:7.2f}{'' if r['fits_exact'] else '!':1}"
+            f"{r['memory_compressed'] / GiB:7.2f}{'' if r['fits_compressed'] else '!':1}")
+    lines += [
+        "* chosen with compression (the plan table above is ranked with it); e: the plan",
+        "chosen without it. wire: bytes one GPU sends in groups that span nodes (ratio:",
+        "compressed / exact); buffer: recorder convention, where a compressed all-reduce is",
+        "an all-to-all plus an all-gather (two buffers). codec: encode/decode time in the",
+        "step. Memory adds the error-feedback residuals (and, for fp32 params with weights",
+        "compressed, a separate fp32 master).",
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
@@ -319,8 +401,8 @@ def main(argv=None) -> int:
             batch = {"micro_batches": _micro_batches(args, args.tp)}
         cluster = NcclModel(nvlink_bw=args.nvlink_gbps * 1e9, nic_bw=args.nic_gbps * 1e9,
                             nics_per_node=args.nics_per_node, gpus_per_node=args.gpus_per_node)
-        report = choose_plan(
-            model, seq_len=args.seq_len, micro_batch=args.micro_batch,
+        plan_args = dict(
+            model=model, seq_len=args.seq_len, micro_batch=args.micro_batch,
             **batch, tp=args.tp, loss_parallel=not args.disable_loss_parallel,
             world_size=args.gpus,
             ranks_per_node=args.gpus_per_node, memory_budget_bytes=args.gpu_mem * GiB,
@@ -332,6 +414,10 @@ def main(argv=None) -> int:
                                  peak_flops=args.peak_tflops * 1e12),
             overlap_param_update=args.overlap_param_update, cluster=cluster,
         )
+        report = choose_plan(**plan_args, compression=args.compress)
+        rows = []
+        if args.compress.enabled:  # the same job without compression, for the comparison
+            rows = compression_rows(report, choose_plan(**plan_args, require_fit=False))
     except NoPlanFits as exc:
         sm = exc.smallest
         tp = f" tp={sm.tp}" if sm.tp > 1 else ""
@@ -345,12 +431,19 @@ def main(argv=None) -> int:
     if args.json:
         out = report.as_dict()
         out["units"] = {"memory": "bytes", "traffic": "bytes", "time": "seconds"}
+        if args.compress.enabled:
+            out["compression"] = {"codecs": {"grads": args.compress.grads,
+                                             "weights": args.compress.weights},
+                                  "comparison": rows}
         print(json.dumps(out, indent=1))
     else:
         if report.by_tp:
             print(render_tp_table(report))
             print()
         print(render(report, args.top))
+        if args.compress.enabled:
+            print()
+            print(render_compression(args.compress, rows))
     return 0
 
 

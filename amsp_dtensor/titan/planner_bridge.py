@@ -24,8 +24,27 @@ def _gpu_memory_bytes(job_config) -> float | None:
     return None
 
 
-def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
-    """What the planner needs, from the torchtitan job config (docs/design.md, 'Planner')."""
+def _compression(job_config, compression):
+    """The codecs for the cross-node stages: the value given, else [amsp] compress_grads /
+    compress_weights when the config has them ("" or "none": off); None when off."""
+    if compression is not None:
+        return compression
+    amsp = getattr(job_config, "amsp", None)
+    grads = getattr(amsp, "compress_grads", None) or None
+    weights = getattr(amsp, "compress_weights", None) or None
+    if grads is None and weights is None:
+        return None
+    from amsp_dtensor.plan.cost.compression import Compression
+
+    off = {None, "", "none"}
+    return Compression(grads=None if grads in off else grads,
+                       weights=None if weights in off else weights)
+
+
+def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None) -> dict:
+    """What the planner needs, from the torchtitan job config (docs/design.md, 'Planner').
+    compression: None, a Compression or its text ("grads=int8,weights=bf16"); None reads
+    [amsp] compress_grads / compress_weights if the config has them."""
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(job_config.model.name)
@@ -48,10 +67,11 @@ def planner_inputs(job_config, world: int, ranks_per_node: int) -> dict:
         "activation_checkpoint": job_config.activation_checkpoint.mode,
         "param_dtype": job_config.training.mixed_precision_param,
         "bandwidth_table": job_config.amsp.bandwidth_table or None,
+        "compression": _compression(job_config, compression),
     }
 
 
-def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
+def plan_auto(job_config, world: int, ranks_per_node: int, compression=None) -> ResolvedPlan:
     from .config import AmspConfigError
 
     try:
@@ -61,7 +81,10 @@ def plan_auto(job_config, world: int, ranks_per_node: int) -> ResolvedPlan:
             "amsp.plan='auto': the planner (amsp_dtensor.plan.cost.planner.plan) is not available "
             "in this checkout; set param_shard, grad_shard and optim_shard instead"
         ) from None
-    inputs = planner_inputs(job_config, world, ranks_per_node)
+    try:
+        inputs = planner_inputs(job_config, world, ranks_per_node, compression)
+    except ValueError as e:  # a bad codec name in compress_grads / compress_weights
+        raise AmspConfigError(f"amsp.plan='auto': {e}") from None
     accepted = inspect.signature(planner_plan).parameters
     tp = inputs["tensor_parallel_degree"]
     if tp > 1 and "tensor_parallel_degree" not in accepted:

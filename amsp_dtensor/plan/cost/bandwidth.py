@@ -18,11 +18,12 @@ JSON schema (version "amsp_dtensor.bandwidth/1"):
   "backend": "gloo" | "nccl", "device": str, "world_size": int, "ranks_per_node": int,
   "created": ISO time, "iters": int,
   "entries": [
-    {"op": "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast",
+    {"op": "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast" | "all_to_all",
      "group_size": n, "stride": t, "group_ranks_per_node": s0, "group_nodes": s1,
      "inter_node": bool,
      "points": [[nbytes, seconds], ...]   # nbytes: recorder convention (AG output, RS
-    }                                     # input, AR/BC tensor); seconds: median over
+    }                                     # input, AR/BC tensor, all-to-all input);
+                                          # seconds: median over
   ]                                       # repeats of the slowest rank
 }
 """
@@ -38,7 +39,7 @@ from pathlib import Path
 from .comm import AlphaBeta, GroupShape, ring_factor, ring_steps
 
 SCHEMA = "amsp_dtensor.bandwidth/1"
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 __all__ = ["SCHEMA", "BandwidthTable", "BandwidthTableError", "load_table"]
 
@@ -73,7 +74,16 @@ class BandwidthTable:
     fits: dict[tuple[str, bool], AlphaBeta] = field(default_factory=dict)
     extrapolated: set = field(default_factory=set)
 
+    def _op(self, op: str) -> str:
+        # The profiler measures no all-to-all (the compressed stages' collective): a table
+        # without one times it with the reduce-scatter's curves and fit, the op it
+        # replaces, which moves the same (n-1)/n of its buffer per rank.
+        if op == "all_to_all" and not any(key[0] == op for key in self.curves):
+            return "reduce_scatter"
+        return op
+
     def _curve(self, op: str, group: GroupShape) -> _Curve | None:
+        op = self._op(op)
         exact = self.curves.get((op, group.size, group.nodes, group.stride))
         if exact is not None:
             return exact
@@ -88,7 +98,7 @@ class BandwidthTable:
         curve = self._curve(op, group)
         if curve is not None:
             return curve.time(nbytes)
-        fit = self.fits.get((op, group.inter_node))
+        fit = self.fits.get((self._op(op), group.inter_node))
         if fit is None:
             raise BandwidthTableError(
                 f"bandwidth table has no {op} measurements "

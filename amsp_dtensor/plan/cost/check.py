@@ -42,13 +42,15 @@ def unit_param_shapes_of(model, blocks: Iterable) -> tuple[list[list[tuple]], in
 def schedule_differences(
     plan, unit_param_shapes: Sequence, micro_batches: int, dtype_bytes: int,
     root_unit_index: int, recorded: Iterable, reshard_after_forward=True, clip: bool = False,
-    reduce_dtype_bytes: int | None = None,
+    reduce_dtype_bytes: int | None = None, compression=None,
 ) -> list[str]:
     """Lines 'key: predicted N, recorded M' for every (op, dim, group, nbytes, inter, phase)
-    whose count differs. `recorded`: CommEvents or their key() tuples."""
+    whose count differs. `recorded`: CommEvents or their key() tuples. compression: the
+    Compression the engine ran with (amsp.set_compression), or None."""
     want = event_counter(predicted_events(plan, unit_param_shapes, micro_batches, dtype_bytes,
                                           root_unit_index, reshard_after_forward, clip,
-                                          reduce_dtype_bytes=reduce_dtype_bytes))
+                                          reduce_dtype_bytes=reduce_dtype_bytes,
+                                          compression=compression))
     got = Counter(ev if isinstance(ev, tuple) else ev.key() for ev in recorded)
     return [f"{key}: predicted {want.get(key, 0)}, recorded {got.get(key, 0)}"
             for key in sorted(set(want) | set(got), key=str) if want.get(key, 0) != got.get(key, 0)]

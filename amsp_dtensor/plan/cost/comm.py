@@ -16,6 +16,16 @@ unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
   after step, s_os > s_p:       AG over "g" (s_g > s_p) or "os": padded(U,s_os)/s_p  step
   clip_grad_norm_:              AR over "shard" (s_os ranks) of 4 bytes               step
 
+Compression (opt-in, ``compression=Compression(grads=, weights=)``, cost/compression.py):
+only a stage whose group spans nodes, and whose dtype the codec applies to, changes;
+C(m) = chunk_nbytes(codec, m) is one compressed chunk of m elements:
+  RS over "g"   -> all_to_all over "g",  k*C(m), k = s_g/s_p,  m = padded(U,s_g)/s_g
+  RS over "os"  -> all_to_all over "os", k*C(m), k = s_os/s_p, m = padded(U,s_os)/s_os
+  AR over "rep" -> all_to_all over "rep" rep*C(m) then all_gather over "rep" rep*C(m),
+                   n = padded(U,s_os)/s_os, m = ceil(n/rep)           (both "sync")
+  post-step AG  -> all_gather k*C(m), k = s_os/s_p, m = padded(U,s_os)/s_os  (weights)
+(padded here in elements). Phases and counts are those of the stage replaced.
+
 These are the four terms of the AMSP paper's communication model: T_p = the "p" traffic
 (M*L*[2*t(AG) + t(RS)]), T_g = the "g" reduce-scatters of the first M-1 micro-batches (the
 paper's all-reduce of buckets; a reduce-scatter here), T_os0 = the once-per-step sync across
@@ -39,6 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Protocol, Sequence, Union
 
 from ..sharding_plan import ResolvedPlan, ShardingPlan
+from .compression import Compression, chunk_nbytes, codec_applies
 from .padding import padded_numel
 
 __all__ = [
@@ -47,6 +58,7 @@ __all__ = [
     "group_shape",
     "dim_group",
     "predicted_events",
+    "error_feedback_elements",
     "event_counter",
     "recorded_counter",
     "TimeModel",
@@ -115,6 +127,8 @@ class PlannedComm:
     unit: int = -1  # FSDP unit index (-1: not per unit)
     stride: int = 1  # rank stride of the group (for bandwidth-table lookup)
     group_nodes: int = 1  # nodes the group spans
+    codec: str | None = None  # the codec of a compressed stage (cost/compression.py)
+    raw_nbytes: int = 0  # compressed stage: bytes of the data it encodes, uncompressed
 
     def key(self) -> tuple:
         """Matches CommEvent.key(): (op, dim, group_size, nbytes, inter_node, phase)."""
@@ -161,6 +175,7 @@ def predicted_events(
     world_size: int | None = None,
     ranks_per_node: int | None = None,
     reduce_dtype_bytes: int | None = None,
+    compression: Compression | None = None,
 ) -> list[PlannedComm]:
     """The collectives of one optimizer step (M micro-batches), per unit, with counts.
 
@@ -175,6 +190,9 @@ def predicted_events(
     clip: add clip_grad_norm_'s scalar all-reduce.
     reduce_dtype_bytes: element size of the gradient collectives (MixedPrecisionPolicy's
       reduce_dtype: the reduce-scatters and the sync); default dtype_bytes.
+    compression: Compression(grads=, weights=) (cost/compression.py) or None: the
+      cross-node gradient stages and post-step all-gather become compressed collectives
+      (module docstring); None, or both fields None, gives the exact schedule.
     Use event_counter() to compare with a recorder's events.
     """
     p = _as_resolved(plan, world_size, ranks_per_node)
@@ -187,14 +205,19 @@ def predicted_events(
     groups = {dim: dim_group(p, dim) for dim in ("p", "g", "os", "rep", "shard")}
     out: list[PlannedComm] = []
 
-    def add(op, dim, nbytes, phase, count, unit, group=None):
+    cg, cw = _codecs(compression)
+
+    def add(op, dim, nbytes, phase, count, unit, group=None, codec=None, raw=0):
         if count <= 0:
             return
         g = group or groups[dim]
         out.append(
             PlannedComm(op, dim, g.size, int(nbytes), g.inter_node, phase, count, unit,
-                        g.stride, g.nodes)
+                        g.stride, g.nodes, codec, int(raw))
         )
+
+    def squeezed(codec, dim, dtype_bytes) -> bool:  # is this stage compressed?
+        return groups[dim].inter_node and codec_applies(codec, dtype_bytes)
 
     n_units = len(unit_param_shapes)
     if root_unit_index is None:
@@ -221,18 +244,78 @@ def predicted_events(
                     add("all_gather", "p", pad_p, "backward", M, u,
                         group_shape(k, 1, W, p.ranks_per_node))
             add("reduce_scatter", "p", red_p, "backward", M, u)
+        rep = W // p.s_os
         if p.s_g > p.s_p:
-            add("reduce_scatter", "g", pad_g // p.s_p, "backward", M - 1, u)
-            add("reduce_scatter", "g", pad_g // p.s_p, "sync", 1, u)
+            if squeezed(cg, "g", r):
+                k, m = p.s_g // p.s_p, _padded(key, p.s_g) // p.s_g
+                nb = k * chunk_nbytes(cg, m)
+                add("all_to_all", "g", nb, "backward", M - 1, u, codec=cg, raw=r * k * m)
+                add("all_to_all", "g", nb, "sync", 1, u, codec=cg, raw=r * k * m)
+            else:
+                add("reduce_scatter", "g", pad_g // p.s_p, "backward", M - 1, u)
+                add("reduce_scatter", "g", pad_g // p.s_p, "sync", 1, u)
         if p.s_g == p.s_p < p.s_os:
-            add("reduce_scatter", "os", pad_os // p.s_p, "sync", 1, u)
-        if W // p.s_os > 1:
-            add("all_reduce", "rep", pad_os // p.s_os, "sync", 1, u)
+            if squeezed(cg, "os", r):
+                k, m = p.s_os // p.s_p, _padded(key, p.s_os) // p.s_os
+                add("all_to_all", "os", k * chunk_nbytes(cg, m), "sync", 1, u, codec=cg,
+                    raw=r * k * m)
+            else:
+                add("reduce_scatter", "os", pad_os // p.s_p, "sync", 1, u)
+        if rep > 1:
+            if squeezed(cg, "rep", r):
+                m = -(-(_padded(key, p.s_os) // p.s_os) // rep)
+                nb = rep * chunk_nbytes(cg, m)
+                add("all_to_all", "rep", nb, "sync", 1, u, codec=cg, raw=r * rep * m)
+                add("all_gather", "rep", nb, "sync", 1, u, codec=cg, raw=r * rep * m)
+            else:
+                add("all_reduce", "rep", pad_os // p.s_os, "sync", 1, u)
         if p.s_os > p.s_p:
-            add("all_gather", "g" if p.s_g > p.s_p else "os", ag_os // p.s_p, "step", 1, u)
+            dim = "g" if p.s_g > p.s_p else "os"
+            if squeezed(cw, dim, e):
+                k, m = p.s_os // p.s_p, _padded(key, p.s_os) // p.s_os
+                add("all_gather", dim, k * chunk_nbytes(cw, m), "step", 1, u, codec=cw,
+                    raw=e * k * m)
+            else:
+                add("all_gather", dim, ag_os // p.s_p, "step", 1, u)
     if clip and p.s_os > 1:
         add("all_reduce", "shard", 4, "step", 1, -1)
     return out
+
+
+def _codecs(compression) -> tuple:
+    if compression is None:
+        return None, None
+    if not isinstance(compression, Compression):
+        raise TypeError(f"compression must be a Compression or None, got {compression!r}")
+    return compression.grads, compression.weights
+
+
+def error_feedback_elements(
+    plan: ResolvedPlan, unit_param_shapes: Sequence[Shapes], compression: Compression | None,
+    reduce_dtype_bytes: int,
+) -> int:
+    """Elements of the error-feedback residuals one rank keeps across steps (in the grad
+    dtype): one per compressed gradient stage per unit, the size of that stage's input:
+    the reduce-scatter over "g", padded(U,s_g)/s_p; over "os", padded(U,s_os)/s_p; the
+    all-reduce over "rep", rep*ceil(n/rep), n = padded(U,s_os)/s_os (elements). The stages
+    compressed are exactly those predicted_events compresses."""
+    cg, _ = _codecs(compression)
+    r = int(reduce_dtype_bytes)
+    if not codec_applies(cg, r):
+        return 0
+    W = plan.world_size
+    rep = W // plan.s_os
+    inter = {dim: dim_group(plan, dim).inter_node for dim in ("g", "os", "rep")}
+    total = 0
+    for shapes in unit_param_shapes:
+        key = tuple(tuple(int(d) for d in shape) for shape in shapes)
+        if plan.s_g > plan.s_p and inter["g"]:
+            total += _padded(key, plan.s_g) // plan.s_p
+        if plan.s_g == plan.s_p < plan.s_os and inter["os"]:
+            total += _padded(key, plan.s_os) // plan.s_p
+        if rep > 1 and inter["rep"]:
+            total += rep * -(-(_padded(key, plan.s_os) // plan.s_os) // rep)
+    return total
 
 
 def event_counter(events: Iterable[PlannedComm]) -> Counter:
@@ -261,11 +344,13 @@ class TimeModel(Protocol):
 
 
 # Ring algorithm traffic per rank as a multiple of the buffer bytes (nbytes convention of
-# the recorder: AG output, RS input, AR tensor, BC tensor), and latency steps.
+# the recorder: AG output, RS input, AR tensor, BC tensor, all-to-all input), and latency
+# steps (an all-to-all as n-1 exchanges, like a ring).
 def ring_factor(op: str, n: int) -> float:
     if n <= 1:
         return 0.0
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        # all_to_all: each rank keeps 1/n of its input buffer and sends the rest
         return (n - 1) / n
     if op == "all_reduce":
         return 2 * (n - 1) / n

@@ -60,6 +60,8 @@ from dataclasses import asdict, dataclass
 
 from ..sharding_plan import ResolvedPlan
 from .backward_peak import synced_grad_elements, unit_sizes
+from .comm import dim_group, error_feedback_elements
+from .compression import Compression, codec_applies
 from .models import ModelShape, tp_chunk
 from .padding import dim0_cols, padded_numel, shard_numel
 
@@ -78,6 +80,8 @@ __all__ = [
     "step_bytes",
     "MemoryEstimate",
     "estimate_memory",
+    "CompressionBytes",
+    "compression_bytes",
     "DTYPE_BYTES",
     "optim_bytes_per_param",
 ]
@@ -475,6 +479,50 @@ def step_bytes(
 
 
 @dataclass(frozen=True)
+class CompressionBytes:
+    """What opt-in compression keeps on one rank across steps (compression_bytes)."""
+
+    error_feedback: int  # residuals of the compressed gradient stages, grad dtype
+    fp32_master: int  # separate fp32 master of the OS rows (fp32 P under weights codec)
+
+    @property
+    def total(self) -> int:
+        return self.error_feedback + self.fp32_master
+
+
+def compression_bytes(
+    unit_param_shapes, plan: ResolvedPlan, compression: Compression | None,
+    dtype_bytes: int, grad_dtype_bytes: int | None = None,
+) -> CompressionBytes:
+    """[Note: compression's memory] Persistent bytes compression adds on one rank:
+
+    - error feedback: every compressed gradient stage (cross-node, codec applies to the
+      grad dtype r; the same stages predicted_events compresses) keeps the residual of
+      its input per unit across steps, r bytes per element: the reduce-scatter over "g",
+      padded(U,s_g)/s_p elements; over "os", padded(U,s_os)/s_p; the all-reduce over
+      "rep", rep*ceil(n/rep), n = padded(U,s_os)/s_os (comm.error_feedback_elements);
+    - fp32 master: an fp32 P shard is its own master (optim_bytes_per_param), but when
+      the post-step all-gather is compressed (weights codec, s_os > s_p, its group spans
+      nodes) the P shard holds dequantised values, so the exact fp32 master of the OS
+      rows is kept apart: 4 bytes per OS element. bf16 params have a separate master
+      already (nothing added).
+    The codec's transient buffers (compressed send and receive buffers) are not counted.
+    """
+    if compression is None or not compression.enabled:
+        return CompressionBytes(0, 0)
+    e = int(dtype_bytes)
+    r = int(grad_dtype_bytes or dtype_bytes)
+    ef = r * error_feedback_elements(plan, unit_param_shapes, compression, r)
+    master = 0
+    if e == 4 and plan.s_os > plan.s_p and codec_applies(compression.weights, e):
+        dim = "g" if plan.s_g > plan.s_p else "os"
+        if dim_group(plan, dim).inter_node:
+            shapes = [shape for unit in unit_param_shapes for shape in unit]
+            master = 4 * shard_numel(shapes, plan.s_os)
+    return CompressionBytes(ef, master)
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Two phases: forward/backward (states + activations + temp) and the optimizer step
     (P + OS + ``step``); the total is the larger, plus the reserve."""
@@ -484,14 +532,20 @@ class MemoryEstimate:
     temp: int
     reserve: int = 0  # CUDA context, NCCL buffers, allocator slack: outside the tensors
     step: int = 0  # beyond P and OS at the step's peak (step_bytes(...).total)
+    # opt-in compression's persistent buffers (alive in both phases); None: off
+    compression: CompressionBytes | None = None
+
+    @property
+    def compression_total(self) -> int:
+        return self.compression.total if self.compression is not None else 0
 
     @property
     def backward_total(self) -> int:
-        return self.states.total + self.activations + self.temp
+        return self.states.total + self.activations + self.temp + self.compression_total
 
     @property
     def step_total(self) -> int:
-        return self.states.param + self.states.optim + self.step
+        return self.states.param + self.states.optim + self.step + self.compression_total
 
     @property
     def peak_phase(self) -> str:
@@ -502,7 +556,7 @@ class MemoryEstimate:
         return max(self.backward_total, self.step_total) + self.reserve
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "param": self.states.param,
             "grad": self.states.grad,
             "optim": self.states.optim,
@@ -513,6 +567,10 @@ class MemoryEstimate:
             "reserve": self.reserve,
             "total": self.total,
         }
+        if self.compression is not None:
+            out["compression_error_feedback"] = self.compression.error_feedback
+            out["compression_fp32_master"] = self.compression.fp32_master
+        return out
 
 
 def estimate_memory(
@@ -521,6 +579,7 @@ def estimate_memory(
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
+    compression: Compression | None = None,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
@@ -531,7 +590,10 @@ def estimate_memory(
     clip_grad_norm_ runs before the step (every master grad is built first). backend:
     the process group's ("gloo" stages all-gather outputs, see step_bytes). tp: the
     tensor-parallel degree (plan is then the data-parallel plan: states of the TP-local
-    shapes, activations of one TP rank); loss_parallel: torchtitan's default with TP."""
+    shapes, activations of one TP rank); loss_parallel: torchtitan's default with TP.
+    compression: Compression or None; when it enables a codec, the estimate's
+    ``compression`` field holds its persistent buffers (compression_bytes), counted in
+    both phases."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     states = state_bytes(model.unit_param_shapes(tp), plan.s_p, plan.s_g, plan.s_os, e,
@@ -542,4 +604,7 @@ def estimate_memory(
                      activation_checkpointing, attention, norm, reshard_after_forward,
                      reduce_dtype, tp, loss_parallel)
     step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp)
-    return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total)
+    comp = None
+    if compression is not None and compression.enabled:
+        comp = compression_bytes(model.unit_param_shapes(tp), plan, compression, e, r)
+    return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total, comp)

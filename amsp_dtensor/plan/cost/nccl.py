@@ -144,6 +144,8 @@ class NcclModel:
             algos = (RING, PAT) if (ppn == 1 and nodes > 1) else (RING,)
         elif op == "broadcast":
             nsteps, algos = n, (RING,)
+        elif op == "all_to_all":
+            return [self._all_to_all(nbytes, group)]
         else:
             raise ValueError(f"unknown op {op!r}")
         out = []
@@ -200,6 +202,34 @@ class NcclModel:
                 out.append(Choice(a, p, lat * 1e-6, alg * 1e9 * rf, alg * 1e9, t_us * 1e-6))
         return out
 
+    def _all_to_all(self, nbytes: int, group: GroupShape) -> Choice:
+        """NCCL runs an all-to-all as grouped point-to-point sends (no algorithm or
+        protocol table): every rank sends (n-1)/n of its input buffer, 1/n to each peer.
+        Modelled as ring Simple's latency over n-1 steps (a conservative bound: the sends
+        are issued together) and two concurrent transfers: (s0-1)/n of the buffer over
+        NVLink and (n-s0)/n through the NICs. Unlike a ring reduce-scatter, nothing is
+        reduced inside the node before it leaves, so the group's s0 ranks on a node all
+        send their own off-node share through the group's NIC share: each rank gets
+        1/s0 of it."""
+        n, nodes = group.size, group.nodes
+        s0 = max(1, n // nodes)
+        pi = PROTOCOLS.index(SIMPLE)
+        intra_lat = HW_LAT_NVLINK[RING][pi]
+        if nodes > 1:
+            intra_lat = max(intra_lat, NET_OVERHEAD_US * 3)
+        n_inter = nodes - 1 if nodes > 1 else 0
+        lat = (BASE_LAT[RING][pi] + (n - 1 - n_inter) * intra_lat
+               + n_inter * HW_LAT_NET[RING][pi]) * 1e-6
+        t_intra = (s0 - 1) / n * nbytes / self.nvlink_bw
+        t_inter = 0.0
+        if nodes > 1:
+            per_rank = min(self.nvlink_bw, self.inter_bw(group) / s0)
+            t_inter = (n - s0) / n * nbytes / per_rank
+        transfer = max(t_intra, t_inter)
+        alg = nbytes / transfer if transfer > 0 else float("inf")
+        return Choice("p2p", SIMPLE, lat, alg * ring_factor("all_to_all", n), alg,
+                      lat + transfer)
+
     def choose(self, op: str, nbytes: int, group: GroupShape) -> Choice | None:
         if group.size <= 1 or nbytes <= 0:
             return None
@@ -238,10 +268,11 @@ def node_nic_bytes(op: str, nbytes: int, group: GroupShape, ranks_per_node: int)
 
     Each of the node's R/s0 groups must move to the other nodes what they lack:
     (s1-1)/s1 of the buffer for AG/RS (the minimum, which the ring reaches), twice that
-    for an all-reduce."""
+    for an all-reduce; an all-to-all reduces nothing on the way, so each of the group's
+    s0 ranks on the node sends its own (s1-1)/s1 of its buffer: s0 times that."""
     if group.nodes <= 1:
         return 0.0
-    f = 2.0 if op == "all_reduce" else 1.0
+    f = {"all_reduce": 2.0, "all_to_all": float(group.ranks_per_node)}.get(op, 1.0)
     groups_per_node = ranks_per_node / group.ranks_per_node
     return groups_per_node * f * (group.nodes - 1) / group.nodes * nbytes
 

@@ -14,6 +14,13 @@ data-parallel plan over W / t ranks (sharding_plan.data_parallel_world), costed 
 TP-local parameter shapes, with TP's own collectives on the critical path
 (cost/tensor_parallel.py). ``tp="auto"`` costs every TP degree that divides the node (up
 to 8) at one global batch and keeps the fastest (tp, plan) that fits.
+
+Compression (``compression=Compression(grads=, weights=)``, cost/compression.py): every
+plan and baseline is costed with the cross-node stages compressed as the engine's
+``amsp.set_compression`` does it (cost/comm.py): fewer bytes, an all-to-all in place of
+a reduce-scatter, the codec's encode/decode time (cost/step.py) and its persistent
+memory (cost/memory.py); each estimate keeps the exact schedule's bytes beside
+(``bytes_inter_exact``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from ..sharding_plan import (
     enumerate_plans,
 )
 from .bandwidth import BandwidthTable, load_table
+from .compression import Compression
 from .comm import (
     AlphaBeta,
     PlannedComm,
@@ -96,6 +104,24 @@ class PlanEstimate:
     step: StepTime | None = None
     tp: int = 1  # tensor-parallel degree; `plan` is then the data-parallel plan
     tp_events: list[PlannedComm] = field(default_factory=list)  # TP's collectives
+    compression: Compression | None = None  # codecs of the cross-node stages, if any
+    # with compression: the exact schedule's bytes per step, {"intra", "inter" (buffer),
+    # "wire_inter"}
+    exact_bytes: dict | None = None
+
+    @property
+    def bytes_inter_exact(self) -> int:
+        """Cross-node buffer bytes per step without compression (= bytes_inter when off)."""
+        return self.exact_bytes["inter"] if self.exact_bytes is not None else self.bytes_inter
+
+    @property
+    def wire_bytes_inter_exact(self) -> float:
+        """Bytes one GPU sends per step in cross-node groups without compression. (A
+        compressed all-reduce is an all-to-all plus an all-gather: two buffers where the
+        exact one counts one tensor, so buffer bytes can grow while wire bytes shrink.)"""
+        if self.exact_bytes is None:
+            return self.wire_bytes_inter
+        return self.exact_bytes["wire_inter"]
 
     @property
     def step_seconds(self) -> float:
@@ -154,6 +180,9 @@ class PlanEstimate:
             "step": self.step.as_dict() if self.step is not None else None,
             "breakdown_seconds": self.breakdown,
             "fits": self.fits,
+            "compression": str(self.compression) if self.compression is not None else None,
+            "bytes_inter_exact": self.bytes_inter_exact,
+            "wire_bytes_inter_exact": self.wire_bytes_inter_exact,
         }
 
 
@@ -266,20 +295,33 @@ def estimate_plan(
     reduce_dtype: str | None = None, reserve_bytes: int = 0,
     compute: ComputeModel | None = None, overlap_param_update: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
+    compression: Compression | None = None,
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
-    collective is of the TP-local shapes, and TP's collectives join the step."""
+    collective is of the TP-local shapes, and TP's collectives join the step.
+    compression: Compression or None (module docstring)."""
+    if compression is not None and not compression.enabled:
+        compression = None
     mem = estimate_memory(model, plan, seq_len, micro_batch, mixed_precision,
                           activation_checkpointing, attention, norm=norm,
                           reshard_after_forward=reshard_after_forward,
                           reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
-                          clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel)
+                          clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel,
+                          compression=compression)
     shapes = model.unit_param_shapes(tp)
+    event_args = dict(reshard_after_forward=reshard_after_forward, clip=clip,
+                      reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
     events = predicted_events(plan, shapes, micro_batches,
                               DTYPE_BYTES[mixed_precision], model.root_unit_index,
-                              reshard_after_forward=reshard_after_forward, clip=clip,
-                              reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
+                              compression=compression, **event_args)
+    exact_bytes = None
+    if compression is not None:
+        exact = predicted_events(plan, shapes, micro_batches, DTYPE_BYTES[mixed_precision],
+                                 model.root_unit_index, **event_args)
+        exact_bytes = bytes_by_locality(exact)
+        exact_bytes["wire_inter"] = sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
+                                        for e in exact if e.inter_node)
     tp_comms = tp_events(model, tp, seq_len=seq_len, micro_batch=micro_batch,
                          micro_batches=micro_batches, dtype_bytes=DTYPE_BYTES[mixed_precision],
                          activation_checkpointing=activation_checkpointing,
@@ -302,6 +344,8 @@ def estimate_plan(
         step=st,
         tp=tp,
         tp_events=tp_comms,
+        compression=compression,
+        exact_bytes=exact_bytes,
     )
 
 
@@ -323,6 +367,17 @@ def _rank(estimates, rank_by: str = "step") -> list[PlanEstimate]:
     return ties + [e for e in est if e.step_seconds > limit]
 
 
+def _compression(value) -> Compression | None:
+    """None, a Compression, or its CLI text ("grads=int8,weights=bf16", "none")."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = Compression.parse(value)
+    if not isinstance(value, Compression):
+        raise TypeError(f"compression must be a Compression, its text or None, got {value!r}")
+    return value if value.enabled else None
+
+
 def choose_plan(
     model, *, seq_len: int, micro_batch: int, micro_batches: int | None = None,
     world_size: int, ranks_per_node: int, memory_budget_bytes: float, bandwidth=None,
@@ -333,6 +388,7 @@ def choose_plan(
     overlap_param_update: bool = False, cluster: NcclModel | None = None,
     rank_by: str = "step", backend: str = "nccl", tp: Union[int, str] = 1,
     global_batch_tokens: int | None = None, loss_parallel: bool = True,
+    compression: Compression | None = None,
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -357,6 +413,9 @@ def choose_plan(
       global_batch_tokens); the fastest (tp, plan) that fits, ties (within 1%) going to
       the smaller degree; the report's by_tp holds every degree's report.
     loss_parallel: torchtitan's default with TP (parallelism.disable_loss_parallel=False).
+    compression: Compression(grads=, weights=), its text ("grads=int8,weights=bf16") or
+      None: cost every plan with its cross-node stages compressed (module docstring);
+      the ranking then includes the codec's bytes, time and memory.
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
@@ -368,7 +427,8 @@ def choose_plan(
                 clip=clip, include_baselines=include_baselines, require_fit=require_fit,
                 norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                 compute=compute, overlap_param_update=overlap_param_update, cluster=cluster,
-                rank_by=rank_by, backend=backend, loss_parallel=loss_parallel)
+                rank_by=rank_by, backend=backend, loss_parallel=loss_parallel,
+                compression=_compression(compression))
     if tp == "auto":
         if micro_batches is not None or global_batch_tokens is None:
             raise ValueError(
@@ -436,6 +496,7 @@ def _choose_plan(
     reserve_bytes: int, compute: ComputeModel | None, overlap_param_update: bool,
     cluster: NcclModel | None, rank_by: str, backend: str, tp: int,
     global_batch_tokens: int | None, loss_parallel: bool,
+    compression: Compression | None = None,
 ) -> PlanReport:
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
                         ("world_size", world_size), ("ranks_per_node", ranks_per_node)):
@@ -474,7 +535,7 @@ def _choose_plan(
                   clip=clip, norm=norm, reduce_dtype=reduce_dtype,
                   reserve_bytes=reserve_bytes, compute=compute,
                   overlap_param_update=overlap_param_update, backend=backend, tp=tp,
-                  loss_parallel=loss_parallel)
+                  loss_parallel=loss_parallel, compression=compression)
     estimates = [estimate_plan(shape, p, **common)
                  for p in enumerate_plans(world_size, ranks_per_node, tp)]
     if rank_by not in ("step", "comm"):
@@ -507,7 +568,8 @@ def _choose_plan(
                     peak_flops=(compute or ComputeModel()).peak_flops,
                     overlap_param_update=overlap_param_update, backend=backend,
                     tensor_parallel_degree=tp, data_parallel_world_size=dp_world,
-                    loss_parallel=loss_parallel if tp > 1 else None)
+                    loss_parallel=loss_parallel if tp > 1 else None,
+                    compression=str(compression) if compression is not None else None)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp)
 
 
@@ -524,6 +586,7 @@ def plan(
     activation_checkpoint: str = "none", param_dtype: str = "bfloat16",
     bandwidth_table=None, tensor_parallel_degree: Union[int, str] = 1,
     global_batch_size: int | None = None, loss_parallel: bool = True,
+    compression=None,
 ) -> PlanReport:
     """Entry point for the torchtitan integration (plan = "auto"); names follow its config.
 
@@ -537,6 +600,8 @@ def plan(
       global_batch_size). global_batch_size: [training] global_batch_size, in sequences
       (then num_micro_batches is derived per TP degree and must be None or left at 1).
     loss_parallel: not [parallelism] disable_loss_parallel.
+    compression: None, a Compression, or its text ("grads=int8,weights=bf16"): from
+      [amsp] compress_grads / compress_weights.
     Returns the PlanReport; .plan is the chosen ResolvedPlan (of the data-parallel world
     when .tp > 1).
     """
@@ -560,5 +625,6 @@ def plan(
         memory_budget_bytes=gpu_memory_bytes if gpu_memory_bytes else float("inf"),
         bandwidth=bandwidth_table, mixed_precision=precision,
         activation_checkpointing=_TITAN_AC.get(activation_checkpoint, "none"),
-        tp=tensor_parallel_degree, loss_parallel=loss_parallel, **batch,
+        tp=tensor_parallel_degree, loss_parallel=loss_parallel,
+        compression=compression, **batch,
     )

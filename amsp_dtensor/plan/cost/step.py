@@ -28,6 +28,18 @@ engine issues (docs/layouts.md) and when it waits:
   the start of the next forward, ahead of that unit's forward all-gather, so only what
   the forward cannot hide is exposed.
 
+Compression (opt-in; cost/comm.py, cost/compression.py). A compressed stage adds its
+encode and decode, memory-bound elementwise passes, to the time of its collective on
+the communication queue (they sit between the collective and the data it consumes or
+produces): ``codec_bytes_touched(event) / hbm_bw``. Per call, with raw = the stage's
+data uncompressed and nbytes = its compressed buffer: a gradient stage sent by
+all-to-all reads its input and the error-feedback residual, writes the compressed
+buffer and the new residual (3*raw + nbytes), then reads what arrives and writes the
+decoded sum (nbytes + raw): 4*raw + 2*nbytes; an all-gather (weights, or the second
+half of a compressed all-reduce over "rep") encodes (raw + nbytes) and decodes
+(nbytes + raw): 2*raw + 2*nbytes. Reported as ``codec_seconds`` (also inside
+``seconds``; not in ``comm_sum_seconds``, which stays the collectives' own times).
+
 Tensor parallelism (degree t): each rank computes 1/t of every matmul and of the
 attention (its heads), so a unit's compute is its FLOPs / t; TP's own collectives
 (cost/tensor_parallel.py: per block two all-gathers and two reduce-scatters of the
@@ -46,7 +58,7 @@ from .comm import PlannedComm, TimeModel
 from .models import ModelShape
 
 __all__ = ["ComputeModel", "StepTime", "step_time", "model_flops_per_token",
-           "OPTIM_STEP_BYTES"]
+           "OPTIM_STEP_BYTES", "codec_bytes_touched"]
 
 # AdamW step per OS element: read fp32 master, bf16 grad, exp_avg, exp_avg_sq; write the
 # three fp32 tensors and the bf16 param: 4+2+4+4 + 4+4+4+2.
@@ -87,12 +99,14 @@ class StepTime:
     mfu: float
     tokens: int  # tokens per data-parallel rank per step
     tp_comm_seconds: float = 0.0  # TP's collectives, on the critical path
+    codec_seconds: float = 0.0  # encode/decode of compressed stages (comm queue)
 
     def as_dict(self) -> dict:
         return dict(seconds=self.seconds, compute_seconds=self.compute_seconds,
                     comm_sum_seconds=self.comm_sum_seconds,
                     exposed_comm_seconds=self.exposed_comm_seconds, mfu=self.mfu,
-                    tokens_per_rank=self.tokens, tp_comm_seconds=self.tp_comm_seconds)
+                    tokens_per_rank=self.tokens, tp_comm_seconds=self.tp_comm_seconds,
+                    codec_seconds=self.codec_seconds)
 
 
 class _Timeline:
@@ -120,18 +134,36 @@ class _Timeline:
         return start, self.compute_free
 
 
-def _per_call(events: Iterable[PlannedComm], model: TimeModel) -> tuple[dict, float, float]:
+def codec_bytes_touched(ev: PlannedComm) -> int:
+    """HBM bytes one call's encode + decode reads and writes (0 for an exact stage);
+    see the module docstring."""
+    if ev.codec is None:
+        return 0
+    if ev.op == "all_to_all":  # a gradient stage, with its error-feedback residual
+        return 4 * ev.raw_nbytes + 2 * ev.nbytes
+    return 2 * ev.raw_nbytes + 2 * ev.nbytes
+
+
+def _per_call(events: Iterable[PlannedComm], model: TimeModel,
+              hbm_bw: float = 0.0) -> tuple[dict, float, float, float]:
+    """{(unit, phase, op, dim): seconds per call incl. codec}, the collectives' sum
+    (no codec), the clip's, and the codec's seconds per step."""
     table: dict = {}
     total = 0.0
     clip = 0.0
+    codec = 0.0
     for ev in events:
         t = model.time(ev.op, ev.nbytes, ev.group)
         total += t * ev.count
         if ev.unit < 0:
             clip += t * ev.count
             continue
+        if ev.codec is not None and hbm_bw > 0:
+            tc = codec_bytes_touched(ev) / hbm_bw
+            codec += tc * ev.count
+            t += tc
         table[(ev.unit, ev.phase, ev.op, ev.dim)] = t
-    return table, total, clip
+    return table, total, clip, codec
 
 
 def step_time(
@@ -148,7 +180,7 @@ def step_time(
     cm = compute or ComputeModel()
     L, M = model.n_layers, int(micro_batches)
     tokens = seq_len * micro_batch
-    per_call, comm_sum, clip = _per_call(events, time_model)
+    per_call, comm_sum, clip, codec = _per_call(events, time_model, cm.hbm_bw)
 
     def c(unit, phase, op, dim):
         return per_call.get((unit, phase, op, dim), 0.0)
@@ -200,11 +232,18 @@ def step_time(
         phase_g = "sync" if last else "backward"
 
         def grad_chain(u, ready):
+            # a compressed stage is an all-to-all (and the "rep" one an all-gather after
+            # it) in place of the reduce-scatter / all-reduce: at most one of each pair
+            # has a time
             end = tl.comm(ready, c(u, "backward", "reduce_scatter", "p"))
-            end = tl.comm(end, c(u, phase_g, "reduce_scatter", "g"))
+            end = tl.comm(end, c(u, phase_g, "reduce_scatter", "g")
+                          + c(u, phase_g, "all_to_all", "g"))
             if last:
-                end = tl.comm(end, c(u, "sync", "reduce_scatter", "os"))
-                pending_sync.append(tl.comm(end, c(u, "sync", "all_reduce", "rep")))
+                end = tl.comm(end, c(u, "sync", "reduce_scatter", "os")
+                              + c(u, "sync", "all_to_all", "os"))
+                pending_sync.append(tl.comm(end, c(u, "sync", "all_reduce", "rep")
+                                            + c(u, "sync", "all_to_all", "rep")
+                                            + c(u, "sync", "all_gather", "rep")))
             return end
 
         prev_end = r_end
@@ -236,4 +275,5 @@ def step_time(
         mfu=flops / (seconds * cm.peak_flops) if seconds > 0 else 0.0,
         tokens=tokens * M,
         tp_comm_seconds=tl.tp_busy,
+        codec_seconds=codec,
     )
