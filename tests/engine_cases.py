@@ -46,6 +46,18 @@ def plan_case(rank, world, plan, variant):
                          reduce_dtype=reduce_dtype, read_steps=read_steps)
 
 
+# At 8 ranks (2 nodes of 4), plans whose cross-node stages are compressed: the recorded
+# bytes are compared with the cost model's (test_compression.py does 4 ranks)
+COMPRESSED = {(1, 1, 8): dict(grads="int8", weights="bf16"),  # os RS, os AG
+              (1, 1, 4): dict(grads="int8", weights="int8"),  # os RS and AG inside, rep AR
+              (2, 8, 8): dict(grads="bf16", weights="int8")}  # g RS every micro-batch
+
+
+def compressed_case(rank, world, plan):
+    return amsp_training(rank, world, plan, torch.float32, MICRO_BATCHES, 2,
+                         compression=COMPRESSED[plan])
+
+
 def world_cases(world, per_node) -> dict:
     """name -> case for run_cases: (plan, variant) for every plan and variant; at world 4
     also "errors", ("recovery", plan) and the extra_cases."""
@@ -54,6 +66,9 @@ def world_cases(world, per_node) -> dict:
         plan = (p.s_p, p.s_g, p.s_os)
         for variant in variants_of(world):
             cases[(plan, variant)] = partial(plan_case, plan=plan, variant=variant)
+    if world == 8:
+        for plan in COMPRESSED:
+            cases[("compressed", plan)] = partial(compressed_case, plan=plan)
     if world == 4:
         import extra_cases
         import recovery_cases

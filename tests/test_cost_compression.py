@@ -1,5 +1,5 @@
 """Opt-in compression of the cross-node stages in the cost model, against hand-computed
-bytes (cost/compression.py, predicted_events(compression=), memory, step time, CLI)."""
+bytes (plan/compression.py, predicted_events(compression=), memory, step time, CLI)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from amsp_dtensor.plan.cost.comm import (
     event_counter,
     predicted_events,
 )
-from amsp_dtensor.plan.cost.compression import (
+from amsp_dtensor.plan.compression import (
     CODECS,
     INT8_BLOCK,
     Compression,

@@ -31,6 +31,7 @@ from engine_cases import (
     rel_norm_diff,
     variants_of,
     world_cases,
+    COMPRESSED,
 )
 from engine_expectations import expected_step_events, ideal_bytes, os_bytes
 from extra_cases import EXTRA_PLANS
@@ -170,6 +171,35 @@ def test_collective_schedule(worlds, world, plan, variant):
         op, dim, _, _, _, phase = key
         if phase in ("forward", "backward"):
             assert dim in ("p", "g"), key
+
+
+@pytest.mark.parametrize("plan", list(COMPRESSED))
+def test_cost_model_matches_a_compressed_engine_step(worlds, plan):
+    """At 8 ranks (2 nodes of 4) with amsp.set_compression: the recorded collectives equal
+    the cost model's compressed schedule byte for byte, and the error-feedback residuals
+    and the separate fp32 masters the bytes its memory model adds."""
+    from amsp_dtensor.plan import ShardingPlan
+    from amsp_dtensor.plan.compression import Compression
+    from amsp_dtensor.plan.cost.check import schedule_differences, unit_param_shapes_of
+    from amsp_dtensor.plan.cost.memory import compression_bytes, state_bytes_of_rank
+    from amsp_dtensor.testing.tiny_llama import TinyLlama
+
+    results, _ = worlds(8)
+    case = results.get(("compressed", plan))
+    resolved = ShardingPlan(*plan).resolve(8, RANKS_PER_NODE[8])
+    setting = Compression(**COMPRESSED[plan])
+    model = TinyLlama()
+    units, root = unit_param_shapes_of(model, model.layers)
+    added = compression_bytes(units, resolved, setting, 4)
+    assert added.error_feedback > 0
+    for rank, result in enumerate(case):
+        diffs = schedule_differences(resolved, units, MICRO_BATCHES, 4, root, result["events"],
+                                     clip=True, compression=setting)
+        assert diffs == [], (rank, diffs)
+        assert any(key[0] == "all_to_all" for key in result["events"])
+        assert result["residual_bytes"] == added.error_feedback, rank
+    exact_optim = state_bytes_of_rank(units, resolved, 0, 4).optim
+    assert case[0]["memory"]["optim"] - exact_optim == added.fp32_master
 
 
 @pytest.mark.parametrize("world,plan,variant", SCHEDULED, ids=SCHEDULED_IDS)

@@ -23,7 +23,7 @@ import math
 import sys
 
 from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError
-from amsp_dtensor.plan.cost.compression import CODECS, Compression
+from amsp_dtensor.plan.compression import CODECS, Compression
 from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
 from amsp_dtensor.plan.cost.nccl import NcclModel
 from amsp_dtensor.plan.cost.planner import (

@@ -23,9 +23,17 @@ INT8_BLOCK = 256
 _WIDTH = {"bf16": 2, "int8": 1}
 
 
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODECS)}")
+
+
 def codec_applies(codec: str | None, dtype_bytes: int) -> bool:
-    """A codec compresses data of ``dtype_bytes`` only if it is narrower."""
-    return codec is not None and _WIDTH[codec] < dtype_bytes
+    """A codec compresses data of ``dtype_bytes`` only if it is narrower (None: never)."""
+    if codec is None:
+        return False
+    _check_codec(codec)
+    return _WIDTH[codec] < int(dtype_bytes)
 
 
 def int8_blocks(numel: int) -> int:
@@ -34,12 +42,13 @@ def int8_blocks(numel: int) -> int:
 
 def chunk_nbytes(codec: str, numel: int) -> int:
     """Bytes of one compressed chunk of ``numel`` elements (payload plus scales)."""
+    _check_codec(codec)
+    if numel < 0:
+        raise ValueError(f"chunk length must be >= 0, got {numel}")
     if codec == "bf16":
         return 2 * numel
-    if codec == "int8":
-        blocks = int8_blocks(numel)
-        return INT8_BLOCK * blocks + 4 * blocks
-    raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+    blocks = int8_blocks(numel)
+    return INT8_BLOCK * blocks + 4 * blocks
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,8 @@ class Compression:
             if value is not None and value not in CODECS:
                 raise ValueError(
                     f"compression {key}={value!r} is not a codec: use one of "
-                    f"{', '.join(CODECS)}, or None to send {key} exactly"
+                    f"{', '.join(CODECS)} (valid codecs: {', '.join(CODECS)}), or None to "
+                    f"send {key} exactly"
                 )
 
     @property
@@ -66,21 +76,26 @@ class Compression:
         return self.grads is not None or self.weights is not None
 
     @classmethod
-    def parse(cls, text: str) -> "Compression":
-        """``"grads=int8,weights=bf16"``, ``"grads=int8"`` or ``"none"``."""
-        text = text.strip()
-        if text.lower() in ("", "none", "off"):
+    def parse(cls, text: str | None) -> "Compression":
+        """``"grads=int8,weights=bf16"`` (either key optional), or ``"none"`` / ``""``."""
+        text = (text or "").strip()
+        if text.lower() in ("", "none"):
             return cls()
-        fields = {}
+        fields: dict[str, str | None] = {}
         for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
             key, sep, value = item.partition("=")
-            key, value = key.strip(), value.strip()
+            key, value = key.strip().lower(), value.strip().lower()
             if not sep or key not in ("grads", "weights"):
                 raise ValueError(
                     f"compression {item!r}: expected grads=CODEC and/or weights=CODEC "
-                    f"(CODEC one of {', '.join(CODECS)}, or none), e.g. grads=int8,weights=bf16"
+                    f"(CODEC one of {', '.join(CODECS)}, none), e.g. grads=int8,weights=bf16"
                 )
-            fields[key] = None if value.lower() == "none" else value
+            if key in fields:
+                raise ValueError(f"compression: {key} given twice in {text!r}")
+            fields[key] = None if value == "none" else value
         return cls(**fields)
 
     def __str__(self) -> str:

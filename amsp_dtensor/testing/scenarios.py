@@ -220,6 +220,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
                              for n, p in model.named_parameters()}
         extra["residual_norm"] = sum(r.float().norm().item() ** 2 for u in units
                                      for r in u.residuals.values()) ** 0.5
+        extra["residual_bytes"] = amsp.memory_by_state(model).get("residual", 0)
     return {
         **extra,
         "losses": losses,

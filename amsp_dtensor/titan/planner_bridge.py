@@ -34,7 +34,7 @@ def _compression(job_config, compression):
     weights = getattr(amsp, "compress_weights", None) or None
     if grads is None and weights is None:
         return None
-    from amsp_dtensor.plan.cost.compression import Compression
+    from amsp_dtensor.plan.compression import Compression
 
     off = {None, "", "none"}
     return Compression(grads=None if grads in off else grads,

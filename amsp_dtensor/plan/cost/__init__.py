@@ -11,7 +11,7 @@ from .comm import (
     step_comm_time,
     time_breakdown,
 )
-from .compression import Compression
+from ..compression import Compression
 from .memory import estimate_memory, state_bytes
 from .models import MODELS, ModelShape, get_model
 from .nccl import NcclModel

@@ -16,7 +16,7 @@ unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
   after step, s_os > s_p:       AG over "g" (s_g > s_p) or "os": padded(U,s_os)/s_p  step
   clip_grad_norm_:              AR over "shard" (s_os ranks) of 4 bytes               step
 
-Compression (opt-in, ``compression=Compression(grads=, weights=)``, cost/compression.py):
+Compression (opt-in, ``compression=Compression(grads=, weights=)``, plan/compression.py):
 only a stage whose group spans nodes, and whose dtype the codec applies to, changes;
 C(m) = chunk_nbytes(codec, m) is one compressed chunk of m elements:
   RS over "g"   -> all_to_all over "g",  k*C(m), k = s_g/s_p,  m = padded(U,s_g)/s_g
@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Protocol, Sequence, Union
 
 from ..sharding_plan import ResolvedPlan, ShardingPlan
-from .compression import Compression, chunk_nbytes, codec_applies
+from ..compression import Compression, chunk_nbytes, codec_applies
 from .padding import padded_numel
 
 __all__ = [
@@ -127,7 +127,7 @@ class PlannedComm:
     unit: int = -1  # FSDP unit index (-1: not per unit)
     stride: int = 1  # rank stride of the group (for bandwidth-table lookup)
     group_nodes: int = 1  # nodes the group spans
-    codec: str | None = None  # the codec of a compressed stage (cost/compression.py)
+    codec: str | None = None  # the codec of a compressed stage (plan/compression.py)
     raw_nbytes: int = 0  # compressed stage: bytes of the data it encodes, uncompressed
 
     def key(self) -> tuple:
@@ -190,7 +190,7 @@ def predicted_events(
     clip: add clip_grad_norm_'s scalar all-reduce.
     reduce_dtype_bytes: element size of the gradient collectives (MixedPrecisionPolicy's
       reduce_dtype: the reduce-scatters and the sync); default dtype_bytes.
-    compression: Compression(grads=, weights=) (cost/compression.py) or None: the
+    compression: Compression(grads=, weights=) (plan/compression.py) or None: the
       cross-node gradient stages and post-step all-gather become compressed collectives
       (module docstring); None, or both fields None, gives the exact schedule.
     Use event_counter() to compare with a recorder's events.

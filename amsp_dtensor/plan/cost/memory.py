@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from ..sharding_plan import ResolvedPlan
 from .backward_peak import synced_grad_elements, unit_sizes
 from .comm import dim_group, error_feedback_elements
-from .compression import Compression, codec_applies
+from ..compression import Compression, codec_applies
 from .models import ModelShape, tp_chunk
 from .padding import dim0_cols, padded_numel, shard_numel
 

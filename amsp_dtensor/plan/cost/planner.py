@@ -15,7 +15,7 @@ TP-local parameter shapes, with TP's own collectives on the critical path
 (cost/tensor_parallel.py). ``tp="auto"`` costs every TP degree that divides the node (up
 to 8) at one global batch and keeps the fastest (tp, plan) that fits.
 
-Compression (``compression=Compression(grads=, weights=)``, cost/compression.py): every
+Compression (``compression=Compression(grads=, weights=)``, plan/compression.py): every
 plan and baseline is costed with the cross-node stages compressed as the engine's
 ``amsp.set_compression`` does it (cost/comm.py): fewer bytes, an all-to-all in place of
 a reduce-scatter, the codec's encode/decode time (cost/step.py) and its persistent
@@ -37,7 +37,7 @@ from ..sharding_plan import (
     enumerate_plans,
 )
 from .bandwidth import BandwidthTable, load_table
-from .compression import Compression
+from ..compression import Compression
 from .comm import (
     AlphaBeta,
     PlannedComm,

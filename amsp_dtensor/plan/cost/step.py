@@ -28,7 +28,7 @@ engine issues (docs/layouts.md) and when it waits:
   the start of the next forward, ahead of that unit's forward all-gather, so only what
   the forward cannot hide is exposed.
 
-Compression (opt-in; cost/comm.py, cost/compression.py). A compressed stage adds its
+Compression (opt-in; cost/comm.py, plan/compression.py). A compressed stage adds its
 encode and decode, memory-bound elementwise passes, to the time of its collective on
 the communication queue (they sit between the collective and the data it consumes or
 produces): ``codec_bytes_touched(event) / hbm_bw``. Per call, with raw = the stage's
