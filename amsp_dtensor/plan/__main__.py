@@ -343,7 +343,7 @@ def render_compression(compression: Compression, rows: list[dict]) -> str:
         ratio = (r["wire_bytes_inter_compressed"] / r["wire_bytes_inter_exact"]
                  if r["wire_bytes_inter_exact"] else 1.0)
         tp = f" tp{r['tensor_parallel_degree']}" if r["tensor_parallel_degree"] > 1 else ""
-        mark = "*" if r["role"] == "chosen" else "e"
+        mark = "*" if r["role"] == "chosen" else "^"
         lines.append(
             f"{mark}{(r['plan'] + tp)[:16]:<16}"
             f"{r['wire_bytes_inter_exact'] / 1e9:8.2f}"
@@ -354,7 +354,7 @@ def render_compression(compression: Compression, rows: list[dict]) -> str:
             f"{r['memory_exact'] / GiB:7.2f}{'' if r['fits_exact'] else '!':1}"
             f"{r['memory_compressed'] / GiB:7.2f}{'' if r['fits_compressed'] else '!':1}")
     lines += [
-        "* chosen with compression (the plan table above is ranked with it); e: the plan",
+        "* chosen with compression (the plan table above is ranked with it); ^: the plan",
         "chosen without it. wire: bytes one GPU sends in groups that span nodes (ratio:",
         "compressed / exact); buffer: recorder convention, where a compressed all-reduce is",
         "an all-to-all plus an all-gather (two buffers). codec: encode/decode time in the",

@@ -217,6 +217,11 @@ class PlanReport:
 
     def to_toml(self) -> str:
         toml = self.best.plan.to_toml()
+        compression = self.best.compression
+        if compression is not None and compression.enabled:  # [amsp]'s keys for it
+            toml = toml.rstrip() + "".join(
+                f'\ncompress_{key} = "{getattr(compression, key)}"'
+                for key in ("grads", "weights") if getattr(compression, key)) + "\n"
         if self.tp > 1:  # torchtitan's key for the TP degree
             toml = f"[parallelism]\ntensor_parallel_degree = {self.tp}\n\n{toml}"
         return toml
