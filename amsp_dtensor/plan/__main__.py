@@ -361,6 +361,15 @@ def render_compression(compression: Compression, rows: list[dict]) -> str:
         "step. Memory adds the error-feedback residuals (and, for fp32 params with weights",
         "compressed, a separate fp32 master).",
     ]
+    chosen = next((r for r in rows if r["role"] == "chosen"), None)
+    exact = next((r for r in rows if r["role"] == "chosen exact"), None)
+    if chosen and exact and exact["fits_exact"] and (
+            exact["step_seconds_exact"] < chosen["step_seconds_compressed"]):
+        lines += [
+            f"Compression does not pay here: {exact['plan']} without it "
+            f"({exact['step_seconds_exact'] * 1e3:.1f} ms) beats the best plan",
+            f"that fits with it ({chosen['step_seconds_compressed'] * 1e3:.1f} ms): its "
+            "residuals cost memory; run without --compress."]
     return "\n".join(line.rstrip() for line in lines)
 
 
