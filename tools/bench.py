@@ -2,6 +2,7 @@
 
     flock /tmp/amsp_cpu.lock python -m tools.bench frontier --nodes 2 --ranks-per-node 2 --bw 1gbit
     flock /tmp/amsp_cpu.lock python -m tools.bench overlap --bw 1gbit,200mbit
+    flock /tmp/amsp_cpu.lock python -m tools.bench compression --nodes 2 --bw 1gbit,200mbit
     python -m tools.bench install-peers        # DeepSpeed, Megatron-FSDP under runs/peers/
 
 Results go to runs/bench/, the sections and charts to docs/benchmarks.md (other sections
@@ -234,8 +235,54 @@ def render_frontier(data: dict, args) -> int:
     return 0
 
 
-def overlap(args, argv: list[str]) -> int:
+def planned_at_hsdp(args, world: int, rpn: int, inter: float) -> str:
+    """The planner's plan at the memory it estimates for HSDP (shard = a node)."""
     from amsp_dtensor.plan.cost import AlphaBeta
+
+    link = AlphaBeta(intra_bw=1e9, inter_bw=inter)
+    _, probe = planner_choice(args, world, rpn, 2.0 ** 60, link)
+    return planner_choice(args, world, rpn, probe.baselines["hsdp"].memory.total, link)[0]
+
+
+COMPRESSIONS = ("+g-bf16", "+g-int8", "+g-int8+w-bf16")
+
+
+def compression(args, argv: list[str]) -> int:
+    """Per link rate: the planned plan and two more, each exact and under COMPRESSIONS,
+    interleaved in one run; merged into runs/bench/compression.json by cluster and rate."""
+    from tools.cluster import LinkSpec
+
+    world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
+    out = Path(args.out_json or REPO / "runs" / "bench" / "compression.json")
+    saved = json.loads(out.read_text()) if out.exists() else {"commands": [], "runs": {}}
+    command = "flock /tmp/amsp_cpu.lock python -m tools.bench compression " + shlex.join(argv)
+    for bw in W.comma_list(args.bw):
+        link = LinkSpec(bw=bw)
+        planned = planned_at_hsdp(args, world, rpn, link.rate_bytes())
+        plans = [planned, *[p for p in W.comma_list(args.plans) if p != planned]][:3]
+        runs = [f"amsp:{p}{c}" for p in plans for c in ("", *COMPRESSIONS)]
+        runs = [runs[0] + "@real", *runs]  # a repetition's first measurement warms the process
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix="amsp_compression_") as tmp:
+            os.chmod(tmp, 0o755)
+            data = run_sets(args, runs, Path(tmp), link)
+        data["meta"].update(bw=bw, planned=planned, wall_s=time.time() - t0)
+        saved["runs"][f"{args.nodes}x{rpn} {bw}"] = data
+        print(R.compression_section({bw: data}, [command]), flush=True)
+        saved["commands"] = [c for c in saved["commands"] if c != command] + [command]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(saved, indent=1))
+    return render_compression(saved, args)
+
+
+def render_compression(saved: dict, args) -> int:
+    doc = Path(args.doc)
+    sec = R.compression_section(saved["runs"], saved["commands"])
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, compression=sec))
+    return 0
+
+
+def overlap(args, argv: list[str]) -> int:
     from tools.bench_systems import OVERLAP
     from tools.cluster import LinkSpec
 
@@ -245,11 +292,7 @@ def overlap(args, argv: list[str]) -> int:
     for bw in W.comma_list(args.bw)[:1 if args.no_netns else None]:
         link = LinkSpec(bw=bw)
         inter = 1e9 if args.no_netns else link.rate_bytes()
-        # the planner's plan at the memory it estimates for HSDP (shard = a node)
-        _, probe = planner_choice(args, world, rpn, 2.0 ** 60,
-                                  AlphaBeta(intra_bw=1e9, inter_bw=inter))
-        planned, _ = planner_choice(args, world, rpn, probe.baselines["hsdp"].memory.total,
-                                    AlphaBeta(intra_bw=1e9, inter_bw=inter))
+        planned = planned_at_hsdp(args, world, rpn, inter)
         plans = [planned, *[p for p in W.comma_list(args.plans) if p != planned]]
         runs = []
         for p in plans:
@@ -280,7 +323,7 @@ def render_overlap(runs: list[dict], command: str, args) -> int:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("frontier", "overlap", "install-peers"))
+    ap.add_argument("what", choices=("frontier", "overlap", "compression", "install-peers"))
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--bw", default="1gbit", help="inter-node link rate (tc syntax); overlap: "
@@ -289,8 +332,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per process set")
     W.add_workload_args(ap)
     ap.add_argument("--configs", default="all", help="frontier: configuration keys, or 'all'")
-    ap.add_argument("--plans", default="p1-g1-os2", help="overlap: AMSP plans beside the "
-                    "planner's")
+    ap.add_argument("--plans", default=None, help="overlap (default p1-g1-os2), compression "
+                    "(default p1-g1-os2,p1-g1-os4,p2-g2-os4; the first two not planned): AMSP "
+                    "plans beside the planner's")
     ap.add_argument("--no-profile", action="store_true",
                     help="no bandwidth profile before the sweep (the planner then uses "
                          "alpha-beta at the link rate only)")
@@ -312,10 +356,14 @@ def main(argv=None) -> int:
         data = json.loads(Path(args.from_json).read_text())
         if args.what == "overlap":
             return render_overlap(data["runs"], data["command"], args)
+        if args.what == "compression":
+            return render_compression(data, args)
         return render_frontier(data, args)
-    if args.what == "overlap":
+    if args.what in ("overlap", "compression"):
         args.warmup = 1 if "--warmup" not in argv else args.warmup
-        return overlap(args, argv[1:])
+        args.plans = args.plans or ("p1-g1-os2" if args.what == "overlap"
+                                    else "p1-g1-os2,p1-g1-os4,p2-g2-os4")
+        return (overlap if args.what == "overlap" else compression)(args, argv[1:])
     return frontier(args, argv[1:])
 
 

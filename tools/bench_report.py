@@ -27,6 +27,7 @@ COLORS = {"ddp": "tab:brown", "fsdp2": "tab:blue", "ds_z1": "tab:olive", "ds_z2"
 TARGET_FLOOR, TARGET_WIN, PLANNER_TOL, PLANNER_SHARE = 0.95, 1.5, 0.10, 0.8
 LOSS_TOL = 1e-5
 OVERLAP = ("<!-- overlap:begin -->", "<!-- overlap:end -->")
+COMPRESSION = ("<!-- compression:begin -->", "<!-- compression:end -->")
 _SECTION = re.compile(r"<!-- frontier-(\d+)x(\d+):begin -->.*?<!-- frontier-\1x\2:end -->", re.S)
 
 
@@ -476,6 +477,74 @@ def overlap_section(runs: list[dict], command: str) -> str:
     return "\n".join(parts)
 
 
+def compression_rows(data: dict) -> list[dict]:
+    """Per AMSP configuration, paired per repetition with its plan's exact run (the key
+    before '+'): step-time ratio, cross-node wire bytes of one recorded step (rep 0, rank
+    0) and the relative gap of the last loss (rep 0), each against exact. A (config, rep)
+    measured twice keeps the later one (the launcher runs the first one twice, to warm)."""
+    res = [r for r in data["results"] if r["mode"] == "real" and r["step_times"]]
+    by = {}
+    for r in res:
+        by.setdefault(r["config"], {})[r["rep"]] = r
+    t = lambda r: statistics.mean(r["step_times"])  # noqa: E731
+    inter = lambda r: ((r.get("comm") or {}).get("recorder_wire") or {}).get("inter")  # noqa: E731
+    rows = []
+    for key, mine in by.items():
+        exact = by.get(key.split("+")[0], {})
+        k = sorted(set(mine) & set(exact))
+        m0, e0 = mine[min(mine)], exact.get(min(exact)) if exact else None
+        rows.append({"key": key, "setting": "+".join(key.split("+")[1:]) or "exact",
+                     "step": _stats(t(r) for r in mine.values()),
+                     "ratio": _stats(t(mine[i]) / t(exact[i]) for i in k),
+                     "inter": inter(m0), "bytes_ratio": inter(m0) / inter(e0)
+                     if e0 and inter(m0) is not None and inter(e0) else None,
+                     "loss_gap": (m0["losses"][-1] - e0["losses"][-1]) / e0["losses"][-1]
+                     if e0 else None})
+    return rows
+
+
+def compression_section(runs: dict, commands: list[str]) -> str:
+    """``runs``: {"<nodes>x<rpn> <bw>": worker result with meta["planned"]}."""
+    any_meta = next(iter(runs.values()))["meta"]
+    parts = [COMPRESSION[0], "", "## Compressed cross-node stages", "",
+             "```", *commands, "```", "",
+             f"- Machine: {any_meta['machine']}; emulated nodes (tools/cluster, inter-node link "
+             "shaped with tbf, intra-node loopback), gloo, CPU. Workload as above "
+             f"({any_meta['tokens_per_step']} tokens per step), AMSP with torchtitan's units.",
+             "- Per plan: exact, then `amsp.set_compression` settings (`+g-CODEC`: grads=, "
+             "`+w-CODEC`: weights=; error feedback on), all configurations interleaved in each "
+             "repetition; each rebuilt from the same seed, then warm-up and timed steps (below); "
+             "the first configuration runs twice in each "
+             "repetition and the first result is dropped (it warms the process). Step-time "
+             "ratio = setting / exact of the same repetition, median (min-max) over "
+             "repetitions. Cross-node MB: wire bytes rank 0 sends across nodes in one step "
+             "(the recorder's events, ring factor x buffer, as the cost model counts). Loss "
+             "gap: (loss - exact loss) / exact loss after the last timed step (repetition 0).",
+             "- The planned plan is the planner's pick at the memory it estimates for HSDP "
+             "(shard = a node), told the shaped link rate, as in the overlap ablation.", ""]
+    for name, data in sorted(runs.items(), key=lambda kv: (kv[1]["meta"]["world"], kv[0])):
+        meta, a = data["meta"], data["meta"]["args"]
+        parts += [f"### {meta['nodes']} nodes x {meta['ranks_per_node']}, {meta['bw']} between "
+                  "nodes", "",
+                  f"Planned plan {meta['planned']}. {a['reps']} repetitions of "
+                  f"{a['warmup']} warm-up + {a['steps']} timed step(s) (M = {a['micro_batches']} "
+                  f"micro-batches of seq {a['seq']}). Run wall time {meta['wall_s']:.0f} s; "
+                  f"1-minute load average {meta['loadavg'][0]:.1f} at its start, "
+                  f"{meta['loadavg'][1]:.1f} at its end.", "",
+                  "| plan | setting | step s | step time / exact | cross-node wire MB / step "
+                  "| wire bytes / exact | loss gap vs exact |", "|" + "---|" * 7]
+        for r in compression_rows(data):
+            plan = r["key"].split("+")[0][5:]
+            br = "n/a" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3f}"
+            gap = "n/a" if r["loss_gap"] is None else f"{r['loss_gap']:+.1e}"
+            parts.append(f"| {plan}{' (planned)' if plan == meta['planned'] else ''} | "
+                         f"{r['setting']} | {_fmt(r['step'])} | {_fmt(r['ratio'], 2)} | "
+                         f"{_mb(r['inter'])} | {br} | {gap} |")
+        parts.append("")
+    parts.append(COMPRESSION[1])
+    return "\n".join(parts)
+
+
 # ---------------------------------------------------------------- the document
 
 
@@ -483,18 +552,20 @@ def sections_of(text: str) -> dict[tuple[int, int], str]:
     return {(int(m.group(1)), int(m.group(2))): m.group(0) for m in _SECTION.finditer(text)}
 
 
-def overlap_of(text: str) -> str | None:
-    i = text.find(OVERLAP[0])
-    j = text.find(OVERLAP[1], i + len(OVERLAP[0])) if i >= 0 else -1
-    return text[i:j + len(OVERLAP[1])] if i >= 0 and j >= 0 else None
+def overlap_of(text: str, marks=OVERLAP) -> str | None:
+    i = text.find(marks[0])
+    j = text.find(marks[1], i + len(marks[0])) if i >= 0 else -1
+    return text[i:j + len(marks[1])] if i >= 0 and j >= 0 else None
 
 
 def assemble(old_text: str, header: str, frontier_section: str | None = None,
-             overlap: str | None = None) -> str:
+             overlap: str | None = None, compression: str | None = None) -> str:
     """The whole document: header, the frontier sections (the new one replacing its scale,
-    fewest ranks first), the overlap section (the new one, else the old one verbatim)."""
+    fewest ranks first), the overlap and compression sections (each the new one, else the
+    old one verbatim)."""
     sections = sections_of(old_text)
     sections.update(sections_of(frontier_section or ""))
     ordered = [sections[k] for k in sorted(sections, key=lambda k: (k[0] * k[1], k))]
-    kept = overlap or overlap_of(old_text)
-    return "\n\n".join([header.rstrip("\n"), *ordered, *([kept] if kept else [])]) + "\n"
+    kept = [x for x in (overlap or overlap_of(old_text),
+                        compression or overlap_of(old_text, COMPRESSION)) if x]
+    return "\n\n".join([header.rstrip("\n"), *ordered, *kept]) + "\n"

@@ -3,7 +3,8 @@
 A key names a system and its settings (``sweep``: a topology's configuration space):
 ``ddp``; FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False),
 ``hsdp:<s>`` (shard groups of s ranks, replica all-reduce once per step); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
-``amsp:<plan>[/<switches off>]``. Same model, seed, data, AdamW, all fp32. FSDP2 gets
+``amsp:<plan>[/<switches off>][+g-<codec>][+w-<codec>][+noef]`` (``+``: compressed
+cross-node stages, amsp.set_compression grads= / weights= / error_feedback=False). Same model, seed, data, AdamW, all fp32. FSDP2 gets
 explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
 has no PREMUL_SUM).
 """
@@ -48,6 +49,19 @@ def sweep(world: int, rpn: int) -> list[str]:
     return keys + [f"amsp:{p.name}" for p in enumerate_plans(world, rpn)]
 
 
+def amsp_key(arg: str) -> tuple[str, str, dict]:
+    """'p2-g2-os4/step_off+g-int8+w-bf16' -> (plan, switches, set_compression kwargs)."""
+    base, *extra = arg.split("+")
+    plan, _, switches = base.partition("/")
+    codecs = {"g": "grads", "w": "weights"}
+    kw = {codecs[e[0]]: e[2:] for e in extra if e[:2] in ("g-", "w-")}
+    if "noef" in extra:
+        kw["error_feedback"] = False
+    if len(kw) != len(extra):
+        raise ValueError(f"unknown compression in amsp:{arg} (+g-CODEC, +w-CODEC, +noef)")
+    return plan, switches, kw
+
+
 def family(key: str) -> str:
     head = key.split(":", 1)[0]
     if head in ("zero3", "zero3_keep", "hsdp"):
@@ -62,8 +76,9 @@ def family(key: str) -> str:
 def label(key: str, rpn: int) -> str:
     head, _, arg = key.partition(":")
     if head == "amsp":
-        plan, _, switches = arg.partition("/")
-        return f"AMSP {plan}" + (f" ({switches.replace('_', ' ')})" if switches else "")
+        plan, switches, _ = amsp_key(arg)
+        return (f"AMSP {plan}" + (f" ({switches.replace('_', ' ')})" if switches else "")
+                + "".join(f" +{c}" for c in arg.split("+")[1:]))
     return {"ddp": "DDP", "zero3": "FSDP2 reshard", "zero3_keep": "FSDP2 keep",
             "hsdp": f"FSDP2 HSDP shard {arg}",
             "ds_z1": "DS ZeRO-1", "ds_z2": "DS ZeRO-2", "ds_z3": "DS ZeRO-3",
@@ -226,7 +241,7 @@ class AMSPSystem(System):
     """torchtitan's units: tok_embeddings, each block, [norm, output] kept after forward,
     the root. ``switches``: a key of OVERLAP (the four overlap switches)."""
 
-    def __init__(self, model, lr, plan, mesh, switches: str = "all_on"):
+    def __init__(self, model, lr, plan, mesh, switches: str = "all_on", compression=None):
         import amsp_dtensor as amsp
 
         self.amsp = amsp
@@ -237,6 +252,8 @@ class AMSPSystem(System):
         amsp.fully_shard(model, mesh=mesh, plan=splan)
         overlap, param_update = OVERLAP[switches]
         self.overlap = amsp.set_overlap(model, **overlap)
+        if compression:  # before the optimizer (compressed weights keep separate masters)
+            amsp.set_compression(model, **compression)
         self.model = model
         self.optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=lr, weight_decay=0.1,
                                         foreach=True, overlap_param_update=param_update)
@@ -305,7 +322,7 @@ def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, work
     if head == "hsdp":
         return FSDPSystem(model, lr, meshes.hsdp_mesh(int(arg)), hsdp=True)
     if head == "amsp":
-        plan, _, switches = arg.partition("/")
+        plan, switches, compression = amsp_key(arg)
         p = resolve_plan(plan, meshes.world, meshes.rpn)
-        return AMSPSystem(model, lr, p, meshes.amsp_mesh(p), switches or "all_on")
+        return AMSPSystem(model, lr, p, meshes.amsp_mesh(p), switches or "all_on", compression)
     raise ValueError(f"unknown configuration {key!r}")

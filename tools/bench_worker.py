@@ -117,7 +117,7 @@ class Worker:
         elif head == "hsdp":
             self.meshes.hsdp_mesh(int(arg))
         elif head == "amsp":
-            self.meshes.amsp_mesh(self.S.resolve_plan(arg.partition("/")[0], self.world, self.rpn))
+            self.meshes.amsp_mesh(self.S.resolve_plan(self.S.amsp_key(arg)[0], self.world, self.rpn))
 
     def measure(self, key: str, mode: str, rep: int, steps: int) -> Result:
         from tools import bench_memory
@@ -167,6 +167,7 @@ class Worker:
                     comm = {"counted": self.counter.bytes_by_locality()}
                     if rec:
                         comm["recorder"] = rec.bytes_by_locality()
+                        comm["recorder_wire"] = wire_by_locality(rec.events)
                 mem.sample()
         finally:
             self.comm.set_mode("real")
@@ -189,6 +190,17 @@ class Worker:
                       reported_bytes_per_rank=[r[2] for r in per_rank],
                       waited_s_per_rank=[r[3] for r in per_rank], comm=comm,
                       wall_s=time.time() - t_build)
+
+
+def wire_by_locality(events) -> dict[str, float]:
+    """Bytes this rank sends (ring factor x buffer: a compressed all-reduce records two
+    buffers where the exact one records one tensor, so only wire bytes compare)."""
+    from amsp_dtensor.plan.cost.nccl import wire_bytes
+
+    out = {"intra": 0.0, "inter": 0.0}
+    for e in events:
+        out["inter" if e.inter_node else "intra"] += wire_bytes(e.op, e.nbytes, e.group_size)
+    return out
 
 
 def machine_facts() -> str:
