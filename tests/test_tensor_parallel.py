@@ -26,6 +26,7 @@ from amsp_dtensor import checkpoint
 from amsp_dtensor.testing.scenarios import full_weights
 from amsp_dtensor.testing.tensor_parallel import build, full_optimizer_state, tp_training, train
 from amsp_dtensor.testing.tiny_llama import TinyLlama
+from engine_cases import rel_diff, rel_norm_diff
 
 TP, STEPS, MICRO_BATCHES, READ_STEPS = 2, 3, 2, 3
 # world -> ranks per node of its cases
@@ -99,17 +100,6 @@ def worlds(tmp_path_factory):
 def references():
     return {w: reference_training(w // TP, MICRO_BATCHES, STEPS, torch.float32,
                                   read_steps=READ_STEPS) for w in WORLDS}
-
-
-def rel_diff(a, b) -> float:
-    """Largest elementwise error over the largest reference magnitude."""
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def rel_norm_diff(a, b) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm()).item()
 
 
 # torchtitan's llama3 TP plan, as tensor_parallelize applies it: dim 0 split over tp for

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import compat
 from . import handle
 from ..plan import ResolvedPlan, ShardingPlan
+from ..plan.sharding_plan import data_parallel_world
 
 MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
@@ -198,17 +199,10 @@ def init_mesh(
 
 
 def _check_tp(tp, ranks_per_node: int, world_size: int) -> None:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise TypeError(f"tp must be a positive int (the tensor-parallel degree), got {tp!r}")
-    if ranks_per_node % tp:
-        raise ValueError(
-            f"tp={tp} does not divide ranks_per_node={ranks_per_node}: tensor-parallel "
-            "groups must lie inside a node; use a tp that divides the ranks per node"
-        )
-    if world_size % ranks_per_node and tp > 1:
-        raise ValueError(
-            f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}"
-        )
+    """tp divides the ranks per node, and the world is whole nodes (plan/sharding_plan.py)."""
+    if tp == 1 and not isinstance(tp, bool):
+        return
+    data_parallel_world(world_size, ranks_per_node, tp, name="tp")
 
 
 def _resolve_under_tp(plan: ShardingPlan, dp_world: int, dp_per_node: int, tp: int):

@@ -224,21 +224,23 @@ class ResolvedPlan:
 
 def data_parallel_world(
     world_size: int, ranks_per_node: int, tensor_parallel_degree: int,
+    name: str = "tensor_parallel_degree",
 ) -> tuple[int, int]:
     """(D, R_dp): the data-parallel world and its ranks per node under TP degree t.
 
     TP ranks are consecutive ranks of one node (torchtitan puts "tp" innermost), so t must
-    divide the ranks per node; the DP world is then W / t ranks, R / t per node."""
+    divide the ranks per node; the DP world is then W / t ranks, R / t per node. ``name``:
+    what the caller calls t in its messages (``amsp.init_mesh``: "tp")."""
     t = tensor_parallel_degree
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tensor_parallel_degree must be a positive int, got {t!r}")
+        raise ValueError(f"{name} must be a positive int (the tensor-parallel degree), got {t!r}")
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
             or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
     if ranks_per_node % t:
         fits = ", ".join(str(d) for d in _divisors(ranks_per_node))
         raise ValueError(
-            f"tensor_parallel_degree={t} does not divide ranks_per_node={ranks_per_node}: "
+            f"{name}={t} does not divide ranks_per_node={ranks_per_node}: "
             f"a TP group must sit inside one node (consecutive ranks, tp innermost); "
             f"use one of {fits}"
         )
