@@ -8,8 +8,9 @@ data-parallel world give one loss curve, and the same global grad norm.
 The global grad norm: the AMSP runs' step-1 norm agrees with the float64 norm of the same
 gradients to within 1e-7; torchtitan's own (torch.nn.utils.get_total_norm over FSDP2's
 DTensor grads, fp32) is 8e-6 below it, at tp 1 and tp 2 alike (measured on the debug
-recipe: float64 1.12638384, AMSP 1.12638378, torchtitan FSDP2 1.12637460). The test
-bounds the two runs' difference by 1e-5 relative, which that offset fits.
+recipe: float64 1.12638384, AMSP 1.12638378, torchtitan FSDP2 1.12637460). Over 20 steps
+the two runs' norms differ by up to 1.005e-5 relative (step 6: AMSP 2.2072773, torchtitan
+2.2072551), so the test bounds the difference by 2e-5 relative.
 
 Steps per run: 3 in CI (``AMSP_TITAN_TP_STEPS`` sets it; 20 is the full comparison), on
 half the recipe's sequence length to keep the three launches short.
@@ -28,7 +29,7 @@ STEPS = int(os.environ.get("AMSP_TITAN_TP_STEPS", "3"))
 SHORT = ["--training.seq_len", "128", "--training.steps", str(STEPS),
          "--parallelism.tensor_parallel_degree", "2"]
 REL_TOL = 1e-4
-NORM_REL_TOL = 1e-5
+NORM_REL_TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
