@@ -55,7 +55,7 @@ def run(name, steps):
 
 def render(steps):
     import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-    tbs = {n: scalars(folder(n)) for n in SETTINGS}
+    tbs = {n: scalars(folder(n)) for n in SETTINGS if (folder(n) / "tb").exists()}
     loss = {n: series(tb, "loss_metrics/global_avg_loss")[:steps] for n, tb in tbs.items()}
     inter = {n: statistics.mean(series(tb, "comm/inter_node_bytes")) for n, tb in tbs.items()}
     ref = loss["exact"]
@@ -71,11 +71,12 @@ def render(steps):
     for n, l in loss.items():
         d = [abs(x - r) for x, r in zip(l, ref)]
         gap = (l[-1] - ref[-1]) / ref[-1]
-        rows.append(f"| {n} | {l[-1]:.4f} | {gap:+.2%} | {'yes' if abs(gap) <= 0.01 else 'no'} | {statistics.mean(d):.4f} "
-                    f"| {max(d):.4f} | {statistics.mean(l[-50:]):.4f} | {inter[n] / 1e6:.2f} MB | {inter[n] / inter['exact']:.3f} |")
+        rows.append(f"| {n} | {l[-1]:.4f} | {gap:+.3%} | {'yes' if abs(gap) <= 0.01 else 'no'} | {statistics.mean(d):.1e} "
+                    f"| {max(d):.1e} | {statistics.mean(l[-50:]):.4f} | {inter[n] / 1e6:.2f} MB | {inter[n] / inter['exact']:.3f} |")
     same = len({l[0] for l in loss.values()}) == 1
     text = (f"{len(ref)} steps; step-1 loss {'equal in every run' if same else 'NOT equal across runs'} "
-            f"({ref[0]:.5f}). Cross-node bytes: comm/inter_node_bytes per rank per step (mean over the run).\n\n"
+            f"({ref[0]:.5f}). Cross-node bytes: comm/inter_node_bytes per rank per step (mean over the run)."
+            + "".join(f" Not run: {n}." for n in SETTINGS if n not in tbs) + "\n\n"
             + "\n".join(rows))
     doc = DOC.read_text()
     DOC.write_text(doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):])
@@ -91,5 +92,4 @@ if __name__ == "__main__":
     if not args.render:
         for n in args.only:
             run(n, args.steps)
-    if all((folder(n) / "tb").exists() for n in SETTINGS):
-        render(args.steps)
+    render(args.steps)
