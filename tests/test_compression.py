@@ -21,7 +21,7 @@ from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.scenarios import amsp_training, reference_training
 from engine_expectations import expected_step_events, unit_shapes
 
-WORLD, PER_NODE, MICRO_BATCHES, STEPS = 4, 2, 2, 4
+WORLD, PER_NODE, MICRO_BATCHES, STEPS = 4, 2, 2, 3
 
 
 # ---- the codecs, on one process ---------------------------------------------------------

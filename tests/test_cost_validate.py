@@ -87,17 +87,19 @@ def test_summary_and_breakdown_agree(run):
     assert row["measured_peak"] > 0 and row["predicted_peak"] > 0
 
 
-def test_summarize_cli_needs_a_table_or_memory(run, tmp_path):
+def test_summarize_cli_needs_a_table_or_memory(run, tmp_path, capsys):
     r = json.loads((run / "val.json").read_text())
     r["predicted_comm_seconds"] = None  # as a run without --table writes it
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(r))
-    cli = [sys.executable, "-m", "amsp_dtensor.plan.validate", "summarize"]
-    proc = subprocess.run(cli + [str(bare)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "pass --table, or --memory" in proc.stderr
-    proc = subprocess.run(cli + ["--memory", str(bare)], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0 and "p2-g2-os2" in proc.stdout and "pred ms" not in proc.stdout
-    proc = subprocess.run(cli + ["--table", str(run / "bw.json"), str(bare)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "per kind of call" in proc.stdout
+    # `python -m amsp_dtensor.plan.validate summarize ...`, run in-process
+    from amsp_dtensor.plan.validate import summarize_main
+
+    with pytest.raises(SystemExit) as exit_:
+        summarize_main([str(bare)])
+    assert exit_.value.code == 2 and "pass --table, or --memory" in capsys.readouterr().err
+    assert summarize_main(["--memory", str(bare)]) == 0
+    out = capsys.readouterr().out
+    assert "p2-g2-os2" in out and "pred ms" not in out
+    assert summarize_main(["--table", str(run / "bw.json"), str(bare)]) == 0
+    assert "per kind of call" in capsys.readouterr().out
