@@ -11,28 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import amsp_dtensor as amsp
-from amsp_dtensor import compat
 from amsp_dtensor.observe.recorder import record_comms
 from amsp_dtensor.engine.handle import root_state
 
 # two bias-free linears, one unit: 8x8 + 4x8 weights, rows divisible by s_p = 2 (no padding)
 NUMEL = 8 * 8 + 4 * 8
-
-
-@pytest.fixture
-def fake_four_ranks():
-    if dist.is_initialized():
-        pytest.skip("needs its own (fake) default process group")
-    compat.init_fake_process_group(rank=0, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _gradient_comms(policy, model_dtype=torch.float32):

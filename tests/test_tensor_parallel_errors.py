@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import amsp_dtensor as amsp
-from amsp_dtensor import compat
 from amsp_dtensor.testing.scenarios import shard_model
 from amsp_dtensor.testing.tiny_llama import TinyLlama, loss_fn, tensor_parallelize
-
-
-@pytest.fixture
-def fake_four_ranks():
-    if dist.is_initialized():
-        pytest.skip("needs its own (fake) default process group")
-    compat.init_fake_process_group(rank=0, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _one_line(excinfo) -> str:
