@@ -148,9 +148,9 @@ def _residual_key(model) -> str | None:
             f"grads={root.compression.grads}")
 
 
-def _saved_residual_key(path: Path) -> str | None:
+def _saved_residual_key(path: Path, metadata) -> str | None:
     """The key the residuals were saved under (None: saved without compressed grads)."""
-    if "residuals.key" not in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+    if "residuals.key" not in metadata.state_dict_metadata:
         return None
     info = {"key": ""}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
@@ -165,14 +165,14 @@ def _residuals_to_load(path: Path, state: dict) -> str | None:
     want = state.get("residuals", {}).get("key")
     if want is None:
         return None
-    saved = _saved_residual_key(path)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    saved = _saved_residual_key(path, metadata)
     if saved != want:
         state.pop("residuals")
         return (f"{path} holds error-feedback residuals for {saved}" if saved else
                 f"{path} holds no error-feedback residuals") + (
                 f" and this job runs {want}: they start from zero")
     prefix = f"residuals.rank{_rank()}."
-    metadata = FileSystemReader(str(path)).read_metadata()
     state["residuals"][f"rank{_rank()}"] = {
         key[len(prefix):]: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
