@@ -16,7 +16,8 @@ Importing ``amsp_dtensor.titan`` registers the variants of torchtitan's dense LL
 ``[experimental] custom_import`` registered). With ``python -m torchtitan.train``, call
 ``register_amsp_variant("<name>")`` from your own custom_import module.
 
-MoE flavors are refused before any process group exists (``check_model``): one line.
+MoE flavors, and loss parallel with a loss other than cross-entropy, are refused before
+any process group exists (``check_model``): one line.
 """
 
 from __future__ import annotations
@@ -111,8 +112,32 @@ def _moe_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def check_loss_parallel(job_config, spec) -> None:
+    """Under TP with loss parallel (torchtitan's default), the output projection returns
+    vocabulary-sharded logits and torchtitan computes the loss and its backward inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``, which implements cross-entropy
+    only. Any other loss meets the sharded logits as a DTensor: beside plain label tensors
+    it fails on every rank with DTensor's "got mixed torch.Tensor and DTensor" (a frame
+    the engine never sees), and one written for DTensor would still see one vocabulary
+    shard per rank. So it is refused here, once, before start-up."""
+    from torchtitan.components.loss import build_cross_entropy_loss
+
+    parallelism = job_config.parallelism
+    tp = parallelism.tensor_parallel_degree
+    if tp == 1 or parallelism.disable_loss_parallel or spec.build_loss_fn is build_cross_entropy_loss:
+        return
+    loss = getattr(spec.build_loss_fn, "__qualname__", repr(spec.build_loss_fn))
+    raise AmspConfigError(
+        f"parallelism.disable_loss_parallel=false with tensor_parallel_degree={tp}: loss "
+        f"parallel computes cross-entropy only, and {job_config.model.name}'s loss is built by "
+        f"{loss}; set parallelism.disable_loss_parallel = true (the output projection then "
+        "returns full logits to that loss)"
+    )
+
+
 def check_model(job_config) -> None:
-    """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors.
+    """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors, and loss
+    parallel with a loss that is not cross-entropy (``check_loss_parallel``).
 
     Builds the flavor on the meta device, as torchtitan's Trainer does, and looks for
     torchtitan MoE layers.
@@ -121,6 +146,7 @@ def check_model(job_config) -> None:
 
     name, flavor = job_config.model.name, job_config.model.flavor
     spec = _train_spec.get_train_spec(name)
+    check_loss_parallel(job_config, spec)
     if flavor not in spec.model_args:
         return  # torchtitan's own KeyError names the flavors
     args = copy.deepcopy(spec.model_args[flavor])
