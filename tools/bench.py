@@ -174,8 +174,9 @@ def frontier(args, argv: list[str]) -> int:
 
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
     every = sweep(world, rpn)
-    keys = every if args.configs == "all" else W.comma_list(args.configs)
-    unknown = [k for k in keys if k not in every]
+    keys = [k for item in W.comma_list(args.configs) for k in (every if item == "all" else [item])]
+    # an AMSP plan of the sweep may also run with compressed cross-node stages (+g-/+w-)
+    unknown = [k for k in keys if k not in every and k.split("+")[0] not in every]
     if unknown:
         raise SystemExit(f"--configs: {unknown} not in the sweep of {world} ranks, {rpn} per "
                          f"node; its keys: {','.join(every)}")
@@ -331,7 +332,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-netns", action="store_true", help="loopback only, no shaping")
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per process set")
     W.add_workload_args(ap)
-    ap.add_argument("--configs", default="all", help="frontier: configuration keys, or 'all'")
+    ap.add_argument("--configs", default="all", help="frontier: configuration keys; 'all' is "
+                    "the sweep (e.g. all,amsp:p1-g1-os2+g-int8 adds a compressed AMSP plan)")
     ap.add_argument("--plans", default=None, help="overlap (default p1-g1-os2), compression "
                     "(default p1-g1-os2,p1-g1-os4,p2-g2-os4; the first two not planned): AMSP "
                     "plans beside the planner's")
