@@ -129,63 +129,68 @@ def _job_state(model, optimizer, step: int, extra: dict | None,
         state["extra"] = extra
     if rank_extra is not None:
         state["rank_extra"] = {f"rank{_rank()}": rank_extra}
-    key = _residual_key(model)
-    if key is not None:
-        root = handle.root_state(model)
-        state["residuals"] = {"key": key, f"rank{_rank()}": {
-            f"{i}.{name}": r for i, unit in enumerate(root.units)
-            for name, r in unit.residual_state().items()}}
+    entry = residual_entry(model)
+    if entry is not None:
+        state["residuals"] = entry
     return state
 
 
-def _residual_key(model) -> str | None:
-    """What the residuals' layout depends on: plan, world and codec (None: no residuals)."""
+# [Note: error-feedback residuals in a checkpoint]
+# Under amsp.set_compression(grads=...) each rank carries what its compressed sends left
+# out; they are per rank and laid out by plan, world and codec, so they are saved under a
+# key naming those three, one "rank<r>" entry per rank, and restored only into a job with
+# the same key. Any other job (or a checkpoint without them) starts them from zero with
+# one warning: losing them costs a little accuracy for a few steps, never correctness.
+# Both savers use these helpers: save/load below and torchtitan's checkpointer (through
+# titan/optimizer.py, under "optimizer.amsp_residuals.<part>").
+
+
+def residual_entry(model) -> dict | None:
+    """``{"key": plan/world/codec, "rank<r>": {"<unit>.<stage>": tensor}}``: this rank's
+    error-feedback residuals (None: the model does not compress its gradients)."""
     root = handle.root_of(model)
     if root is None or root.compression.grads is None:
         return None
     plan = root.info.plan
-    return (f"{plan.name} on {plan.world_size} ranks, {plan.ranks_per_node} per node, "
-            f"grads={root.compression.grads}")
+    key = (f"{plan.name} on {plan.world_size} ranks, {plan.ranks_per_node} per node, "
+           f"grads={root.compression.grads}")
+    return {"key": key, f"rank{_rank()}": {f"{i}.{name}": r for i, unit in enumerate(root.units)
+                                           for name, r in unit.residual_state().items()}}
 
 
-def _saved_residual_key(path: Path, metadata) -> str | None:
-    """The key the residuals were saved under (None: saved without compressed grads)."""
-    if "residuals.key" not in metadata.state_dict_metadata:
-        return None
-    info = {"key": ""}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"residuals": info}, checkpoint_id=path, no_dist=True)
-    return info["key"]
-
-
-def _residuals_to_load(path: Path, state: dict) -> str | None:
-    """Put this rank's saved residuals (allocated from the metadata's shapes) into
-    ``state`` if they fit this job; else drop them and return why (for one warning)."""
-    want = state.get("residuals", {}).get("key")
-    if want is None:
-        return None
+def fit_residuals(path: str | Path, entry: dict, at: tuple[str, ...]) -> str | None:
+    """Make ``entry`` (``residual_entry``'s, at the nested keys ``at`` of the saved state:
+    ``("residuals",)`` here) loadable from the checkpoint ``path``: this rank's tensors
+    allocated from its metadata. Returns why
+    they cannot load (saved for another plan, world or codec, or not saved): the caller
+    then leaves the entry out and warns once."""
     metadata = FileSystemReader(str(path)).read_metadata()
-    saved = _saved_residual_key(path, metadata)
-    if saved != want:
-        state.pop("residuals")
+    saved, stored = None, ".".join(at)  # DCP's flattened name of the entry
+    if f"{stored}.key" in metadata.state_dict_metadata:
+        info: dict = {"key": ""}
+        nested = info
+        for part in reversed(at):
+            nested = {part: nested}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(nested, checkpoint_id=path, no_dist=True)
+        saved = info["key"]
+    if saved != entry["key"]:
         return (f"{path} holds error-feedback residuals for {saved}" if saved else
                 f"{path} holds no error-feedback residuals") + (
-                f" and this job runs {want}: they start from zero")
-    prefix = f"residuals.rank{_rank()}."
-    state["residuals"][f"rank{_rank()}"] = {
+                f" and this job runs {entry['key']}: they start from zero")
+    prefix = f"{stored}.rank{_rank()}."
+    entry[f"rank{_rank()}"] = {
         key[len(prefix):]: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     return None
 
 
-def _restore_residuals(model, state: dict) -> None:
-    if "residuals" not in state:
-        return
-    mine = state["residuals"][f"rank{_rank()}"]
-    units = handle.root_state(model).units
-    for i, unit in enumerate(units):
+def restore_residuals(model, entry: dict) -> None:
+    """Give each unit its residuals from a loaded ``entry`` (``fit_residuals`` passed)."""
+    mine = entry[f"rank{_rank()}"]
+    for i, unit in enumerate(handle.root_state(model).units):
         unit.load_residuals({key.split(".", 1)[1]: value for key, value in mine.items()
                              if key.split(".", 1)[0] == str(i)})
 
@@ -235,9 +240,13 @@ def load(path: str | Path, model, optimizer=None, *, extra: dict | None = None,
     for key in ("rng", "rank_extra"):
         if not same_world:
             state.pop(key, None)
-    residuals_reset = _residuals_to_load(path, state)
+    residuals_reset = fit_residuals(path, state["residuals"], ("residuals",)) if (
+        "residuals" in state) else None
+    if residuals_reset:
+        state.pop("residuals")
     dcp.load(state, checkpoint_id=path)
-    _restore_residuals(model, state)
+    if "residuals" in state:
+        restore_residuals(model, state["residuals"])
     if residuals_reset and _rank() == 0:
         warnings.warn(residuals_reset, stacklevel=2)
     if optimizer is not None:
@@ -347,7 +356,8 @@ def check_entries_fit(path: str | Path, state: dict[str, Any],
     one section at a time: ``(key prefix, what to call it, hint)``. The prefix "" means the
     tensors at the top level (where torchtitan keeps the model's), compared with every
     stored key outside the other sections and outside ``others`` (prefixes of entries that
-    are not checked, e.g. torchtitan's "lr_scheduler"). Raises CheckpointMismatch on the
+    are not checked, e.g. torchtitan's "lr_scheduler", or inside a section,
+    "optimizer.amsp_residuals"). Raises CheckpointMismatch on the
     first missing entry, unexpected entry or other shape."""
     metadata = FileSystemReader(str(path)).read_metadata()
     stored = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
@@ -360,7 +370,8 @@ def check_entries_fit(path: str | Path, state: dict[str, Any],
             if prefix.split(".")[0] not in state:
                 continue
             wanted = {k: v for k, v in wanted_all.items() if k.startswith(prefix + ".")}
-            have = {k: v for k, v in stored.items() if k.startswith(prefix + ".")}
+            have = {k: v for k, v in stored.items() if k.startswith(prefix + ".")
+                    and not any(k.startswith(o + ".") for o in others)}
         else:
             wanted = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
             have = {k: v for k, v in stored.items()

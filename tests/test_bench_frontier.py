@@ -203,6 +203,13 @@ def test_section_and_document_keep_other_scales_and_overlap():
     doc = R.assemble(old, "# Header\n", sec)
     assert doc == "# Header\n\n" + sec + "\n\n" + other + "\n\n" + overlap + "\n"
     assert R.assemble("", "# H", sec) == "# H\n\n" + sec + "\n"
+    # another link rate at the same scale is a section of its own, after the 1gbit one
+    data["meta"]["bw"] = "200mbit between nodes"
+    slow = R.section(data, "python -m tools.bench_frontier --bw 200mbit", "frontier_2x2-200mbit.png")
+    assert R.scale_tag(data["meta"]) == "2x2-200mbit"
+    assert slow.startswith("<!-- frontier-2x2-200mbit:begin -->")
+    assert R.assemble(doc, "# Header\n", slow) == \
+        "# Header\n\n" + sec + "\n\n" + slow + "\n\n" + other + "\n\n" + overlap + "\n"
     assert R.assemble(doc, "# H", overlap="<!-- overlap:begin -->\nnew\n<!-- overlap:end -->"
                       ).endswith("\n\n<!-- overlap:begin -->\nnew\n<!-- overlap:end -->\n")
 
@@ -387,3 +394,36 @@ def test_every_op_samples_after_each_op_forward_and_backward(monkeypatch):
     calls.clear()
     (x * 2).sum().backward()  # outside the block: no sampling
     assert calls == []
+
+
+def test_compressed_amsp_rows_before_and_after():
+    """A compressed AMSP configuration is not an exact plan: the frontier, targets and the
+    planner compare exact plans (before); its own table adds it (after); its loss gap is
+    reported, outside the agreement check (compression is lossy)."""
+    data = _data()
+    for rep in range(3):  # p2-g2-os4 with int8 grads: 400 tok/s at 74 MB, loss off by 2e-4
+        data["results"].append(_result("amsp:p2-g2-os4+g-int8", rep, [2.5], 74 * MB,
+                                       [8.0, 7.5002]))
+        data["results"].append(_result("amsp:p1-g1-os2+g-int8", rep, [0.8], 107 * MB,
+                                       [8.0, 7.5001]))
+    every = {r["key"]: r for r in R.summarize(data)}
+    assert every["amsp:p2-g2-os4+g-int8"]["compressed"] and not every["amsp:p2-g2-os4"]["compressed"]
+    assert every["amsp:p2-g2-os4+g-int8"]["label"] == "AMSP p2-g2-os4 +g-int8"
+    sec = R.section(data, "cmd", "f.png")
+    assert sec.replace("\n### AMSP with compressed", "").count("### ") == \
+        R.section(_data(), "cmd", "f.png").count("### ")  # one section more, nothing else
+    table = sec[sec.index("before and after"):sec.index("### Each system")]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()
+            if line.startswith("| 7") or line.startswith("| 1")}
+    # 74.5 MB: best other HSDP shard 2 (500); exact AMSP p2-g2-os4 median 500 -> 1.00x;
+    # with compressed: p2-g2-os4 +g-int8 at 400 is slower, the exact plan stays
+    assert rows["74.5"][3:6] == ["AMSP p2-g2-os4", "500", "1.00x"]
+    assert rows["74.5"][6:9] == ["AMSP p2-g2-os4", "500", "1.00x |"]
+    # 130 MB: DDP 1000; exact p1-g1-os2 1000 -> 1.00x; compressed p1-g1-os2 1250 -> 1.25x
+    assert rows["130.0"][5] == "1.00x" and rows["130.0"][6:9] == ["AMSP p1-g1-os2 +g-int8", "1250", "1.25x |"]
+    assert "AMSP p2-g2-os4 +g-int8 2.0e-04, AMSP p1-g1-os2 +g-int8 1.0e-04" in table
+    # the agreement check stays over the exact configurations
+    assert "largest |loss - ddp's| = 3.0e-07" in sec
+    series = R.chart_series(list(every.values()))  # its own line in the chart
+    assert series["amsp_c"][1][:2] == [pytest.approx(400), pytest.approx(400)]
+    assert max(series["amsp"][1]) == pytest.approx(1000)

@@ -157,6 +157,7 @@ SHORT = ["--training.seq_len", str(SEQ_LEN), "--training.steps", str(STEPS),
 # weights or the optimizer state would be far off (from scratch: ~8.0 at step 3 and
 # ~7.8 at step 4, against the 4-rank run's ~7.5 and ~6.8).
 RESUME_REL_TOL = 0.05
+THREE_STEPS = [str(3) if a == str(STEPS) else a for a in SHORT]
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +281,49 @@ def test_rank_killed_in_step_3_restarts_from_step_2_with_the_same_curve(saved_on
     assert sorted(got) == [1, 2, 3, 4]
     for step in want:
         assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
+
+
+@pytest.fixture(scope="module")
+def compressed_saved_and_resumed(tmp_path_factory):
+    """3 steps under int8 gradients (a checkpoint at step 2), and a fresh job resumed from
+    it with the same settings."""
+    compressed = [*THREE_STEPS, "--amsp.compress_grads", "int8"]
+    saved = tmp_path_factory.mktemp("compressed_saved")
+    torchrun(compressed, saved, nproc=4)
+    resumed = tmp_path_factory.mktemp("compressed_resumed")
+    shutil.copytree(saved / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    proc = torchrun(compressed, resumed, nproc=4)
+    return saved, resumed, proc.stdout + proc.stderr
+
+
+@multiproc
+def test_compressed_resume_restores_the_error_feedback_residuals(compressed_saved_and_resumed):
+    """torchtitan's checkpoint carries each rank's residuals: the resumed job's residual
+    norm and loss at step 3 are the uninterrupted run's. (Residuals restarted from zero
+    would hold step 3's leftover alone, not what three steps left.)"""
+    saved, resumed, log = compressed_saved_and_resumed
+    assert "Training starts at step 3" in log and "error-feedback residuals" not in log, log[-3000:]
+    want, got = scalars(saved), scalars(resumed)
+    assert sorted(got["amsp/residual_norm"]) == [3]
+    mine, uninterrupted = got["amsp/residual_norm"][3], want["amsp/residual_norm"][3]
+    assert mine == pytest.approx(uninterrupted, rel=1e-6), (mine, uninterrupted)
+    assert got["loss_metrics/global_avg_loss"][3] == pytest.approx(
+        want["loss_metrics/global_avg_loss"][3], abs=1e-6)
+
+
+@multiproc
+def test_exact_checkpoint_resumed_with_compression_warns_once(saved_on_4, tmp_path):
+    """A checkpoint saved without compressed gradients holds no residuals: a compressed
+    job resumes from it with one warning, its residuals starting from zero."""
+    saved, _ = saved_on_4
+    shutil.copytree(saved / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
+    proc = torchrun([*THREE_STEPS, "--amsp.compress_grads", "int8"], tmp_path, nproc=4)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "error-feedback residuals" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(
+        "holds no error-feedback residuals and this job runs p2-g2-os4 on 4 ranks, 2 per node, "
+        "grads=int8: they start from zero")
 
 
 def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):

@@ -216,7 +216,7 @@ def frontier(args, argv: list[str]) -> int:
         data["profile"] = profile
         meta["profile_command"] = "python -m amsp_dtensor.plan.profile --out <table> " + PROFILE_ARGS
         meta["profile_s"] = profile_s
-    out = Path(args.out_json or REPO / "runs" / "bench" / f"frontier_{args.nodes}x{rpn}.json")
+    out = Path(args.out_json or REPO / "runs" / "bench" / f"frontier_{R.scale_tag(meta)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     print(f"wrote {out}")
@@ -226,7 +226,7 @@ def frontier(args, argv: list[str]) -> int:
 def render_frontier(data: dict, args) -> int:
     meta = data["meta"]
     data["planner"] = planner_data(data)
-    png = Path(args.png_dir) / f"frontier_{meta['nodes']}x{meta['ranks_per_node']}.png"
+    png = Path(args.png_dir) / f"frontier_{R.scale_tag(meta)}.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     R.chart(R.summarize(data), meta, str(png))
     doc = Path(args.doc)

@@ -23,12 +23,22 @@ OTHERS = tuple(f for f in FAMILIES if f != "amsp")
 PEERS = ("ds_z1", "ds_z2", "ds_z3", "ds_hpz", "ds_mics", "mfsdp")
 COLORS = {"ddp": "tab:brown", "fsdp2": "tab:blue", "ds_z1": "tab:olive", "ds_z2": "tab:cyan",
           "ds_z3": "tab:green", "ds_hpz": "tab:purple", "ds_mics": "tab:pink",
-          "mfsdp": "tab:orange", "amsp": "tab:red"}
+          "mfsdp": "tab:orange", "amsp": "tab:red", "amsp_c": "tab:red"}
+COMPRESSED_LABEL = "AMSP compressed"  # amsp:<plan>+g-<codec>/+w-<codec> rows
 TARGET_FLOOR, TARGET_WIN, PLANNER_TOL, PLANNER_SHARE = 0.95, 1.5, 0.10, 0.8
 LOSS_TOL = 1e-5
 OVERLAP = ("<!-- overlap:begin -->", "<!-- overlap:end -->")
 COMPRESSION = ("<!-- compression:begin -->", "<!-- compression:end -->")
-_SECTION = re.compile(r"<!-- frontier-(\d+)x(\d+):begin -->.*?<!-- frontier-\1x\2:end -->", re.S)
+# one section per scale and link rate: "frontier-2x2" (1gbit) or "frontier-2x2-200mbit"
+_SECTION = re.compile(r"<!-- frontier-(\d+)x(\d+)(-\w+|):begin -->.*?<!-- frontier-\1x\2\3:end -->",
+                      re.S)
+
+
+def scale_tag(meta: dict) -> str:
+    """"2x2" for 2 nodes x 2 ranks at 1gbit (or unshaped), "2x2-200mbit" at another rate."""
+    tag, bw = f"{meta['nodes']}x{meta['ranks_per_node']}", meta.get("bw", "")
+    rate = bw.split(" ")[0] if bw.endswith(" between nodes") else "1gbit"
+    return tag if rate == "1gbit" else f"{tag}-{rate}"
 
 
 def _mb(x) -> str:
@@ -59,6 +69,7 @@ def summarize(data: dict) -> list[dict]:
         states = [s for s in first.get("state_bytes_per_rank") or [] if s]
         rows.append({
             "key": key, "family": family(key), "label": label(key, rpn),
+            "compressed": amsp and "+" in key,
             "tps": statistics.median(tps), "tps_min": min(tps), "tps_max": max(tps),
             "tps_reps": tps, "reps": len(tps), "steps": len(first["step_times"]),
             "step_s": tokens / statistics.median(tps),
@@ -162,8 +173,9 @@ def chart_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]
     smallest on, MB; y = its best tokens/s under x; drawn with where='post')."""
     xs_all = select_caps(rows)
     out = {}
-    for fam in FAMILIES:
-        mine = [r for r in rows if r["family"] == fam]
+    for fam in (*FAMILIES, "amsp_c"):
+        mine = [r for r in rows if (r["family"] == fam and not r["compressed"])
+                or (fam == "amsp_c" and r["compressed"])]
         if mine:
             xs = [x for x in xs_all if x >= min(r["peak"] for r in mine)]
             ys = [best_under(mine, x)["tps"] for x in xs]
@@ -181,11 +193,12 @@ def chart(rows: list[dict], meta: dict, png: str) -> None:
     for fam, (xs, ys) in chart_series(rows).items():
         ax.step(xs, ys, where="post", color=COLORS[fam], alpha=0.85,
                 lw=2.4 if fam == "amsp" else 1.3, ls="-" if fam in ("amsp", "fsdp2", "ddp")
-                else "--", label=f"{FAMILIES[fam]} frontier")
+                else "--", label=f"{FAMILIES.get(fam, COMPRESSED_LABEL)} frontier")
     for r in rows:
         c = COLORS[r["family"]]
         ax.errorbar([r["peak"] / MB], [r["tps"]], yerr=[[r["tps"] - r["tps_min"]],
-                    [r["tps_max"] - r["tps"]]], fmt="o" if r["family"] == "amsp" else "s",
+                    [r["tps_max"] - r["tps"]]], fmt=("^" if r["compressed"] else "o")
+                    if r["family"] == "amsp" else "s",
                     color=c, ms=4, capsize=2)
         ax.annotate(r["label"].replace("AMSP ", ""), (r["peak"] / MB, r["tps"]),
                     textcoords="offset points", xytext=(3, 3), fontsize=6, color=c)
@@ -224,6 +237,30 @@ def frontier_table(fr: list[dict], prows: list[dict]) -> str:
                      + f" | {_ratio_s(f['ratio'])} | {p['pick'] or 'none fits'} | {rank} | "
                      f"{slow} |")
     return "\n".join(lines)
+
+
+def compressed_table(fr: list[dict], compressed: list[dict], loss: dict) -> str:
+    """Per cap: the best other system, AMSP's best exact plan (before) and AMSP's best with
+    the compressed configurations too (after), each over the best other."""
+    lines = ["| cap MB/rank | best other system | tokens/s | AMSP exact: best | tokens/s | "
+             "/ best other (before) | AMSP with compressed: best | tokens/s | / best other "
+             "(after) |", "|" + "---|" * 9]
+    for f in fr:
+        b, a = f["baseline"], f["amsp"]
+        fits = [r for r in compressed if r["peak"] <= f["cap"]]
+        c = max(fits, key=lambda r: r["tps"]) if fits else None
+        after = a if c is None or (a is not None and a["tps"] >= c["tps"]) else c
+        ratio = None if after is None else math.inf if b is None else after["tps"] / b["tps"]
+        lines.append(f"| {f['cap'] / MB:.1f} | " + (f"{b['label']} | {b['tps']:.0f}" if b else
+                     "- | -") + " | " + (f"{a['label']} | {a['tps']:.0f}" if a else "- | -")
+                     + f" | {_ratio_s(f['ratio'])} | " + (f"{after['label']} | {after['tps']:.0f}"
+                     if after else "- | -") + f" | {_ratio_s(ratio)} |")
+    gaps = ", ".join(f"{r['label']} {r['loss_diff']:.1e}" for r in compressed)
+    return "\n".join(lines) + (
+        "\n\nThe caps are the exact configurations' peaks; a compressed configuration counts "
+        "at every cap it fits. Compression is lossy, so its rows are kept out of the loss "
+        f"agreement above; their largest |loss - {loss['reference']}'s| over the common "
+        f"steps: {gaps}.")
 
 
 def family_table(fr: list[dict]) -> str:
@@ -325,8 +362,12 @@ def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> 
 def section(data: dict, command: str, png_name: str) -> str:
     """One scale's markdown between its markers."""
     meta, a = data["meta"], data["meta"]["args"]
-    rows = summarize(data)
+    every = summarize(data)
+    rows = [r for r in every if not r["compressed"]]
+    compressed = [r for r in every if r["compressed"]]
     loss = loss_check(rows)
+    for r in compressed:  # lossy: measured against the same reference, not in the check
+        r["loss_diff"] = max(abs(x - y) for x, y in zip(r["losses"], loss["losses"]))
     caps = select_caps(rows)
     fr = frontier(rows, caps)
     planner = data.get("planner") or {}
@@ -334,7 +375,8 @@ def section(data: dict, command: str, png_name: str) -> str:
     vrows = [planner_rows(rows, fr, v["picks"]) for v in variants]
     n, rpn = meta["nodes"], meta["ranks_per_node"]
     later = a.get("warmup_later")
-    parts = [f"<!-- frontier-{n}x{rpn}:begin -->", "",
+    tag = scale_tag(meta)
+    parts = [f"<!-- frontier-{tag}:begin -->", "",
              f"## {n} nodes x {rpn} ranks ({meta['world']} ranks), {meta.get('bw', '')}", "",
              "```", command, "```", "",
              f"- Machine: {meta['machine']}; {n} emulated nodes x {rpn} ranks, gloo. Link: "
@@ -378,14 +420,20 @@ def section(data: dict, command: str, png_name: str) -> str:
         good, total = planner_share(vr)
         parts.append(f"- The planner with {v['name']} ({v['desc']}): {good} of {total} caps "
                      f"within {PLANNER_TOL:.0%} ({good / total if total else 0:.0%}).")
+    if compressed:
+        parts += ["", "### AMSP with compressed cross-node stages: before and after", "",
+                  f"{len(compressed)} compressed AMSP configurations (`amsp.set_compression`, "
+                  "error feedback on) ran interleaved with the others: "
+                  + ", ".join(r["label"] for r in compressed) + ".", "",
+                  compressed_table(fr, compressed, loss)]
     parts += ["", "### Each system's best tokens/s under each cap", "", family_table(fr), "",
               "### Memory as each peer reports it, beside the sampler", "", memory_table(rows),
               "", "### Every configuration", "",
-              config_table(rows, planner.get("estimates", {})), "",
+              config_table(rows + compressed, planner.get("estimates", {})), "",
               f"Loss per step of {loss['reference']} (every configuration's losses differ from "
               f"these by at most {loss['max_diff']:.1e}): "
               + ", ".join(f"{x:.5f}" for x in loss["losses"]) + ".", "",
-              f"<!-- frontier-{n}x{rpn}:end -->"]
+              f"<!-- frontier-{tag}:end -->"]
     return "\n".join(parts)
 
 
@@ -548,8 +596,9 @@ def compression_section(runs: dict, commands: list[str]) -> str:
 # ---------------------------------------------------------------- the document
 
 
-def sections_of(text: str) -> dict[tuple[int, int], str]:
-    return {(int(m.group(1)), int(m.group(2))): m.group(0) for m in _SECTION.finditer(text)}
+def sections_of(text: str) -> dict[tuple[int, int, str], str]:
+    return {(int(m.group(1)), int(m.group(2)), m.group(3)): m.group(0)
+            for m in _SECTION.finditer(text)}
 
 
 def overlap_of(text: str, marks=OVERLAP) -> str | None:

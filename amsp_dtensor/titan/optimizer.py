@@ -15,15 +15,19 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
 
 from .. import compat
+from ..checkpoint import fit_residuals, residual_entry, restore_residuals
 from .validate import AmspConfigError
 from .weights import clean_fqn
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+RESIDUALS = "amsp_residuals"  # + ".<part>": one model part's residuals, under OPTIMIZER
 
 
 class AmspOptimizersContainer(OptimizersContainer):
@@ -34,6 +38,13 @@ class AmspOptimizersContainer(OptimizersContainer):
         self.optimizers = [amsp.AMSPOptimizer(m, optimizer_cls, **optimizer_kwargs) for m in model_parts]
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
         compat.titan_optimizers_container_init(self, all_params, optimizer_kwargs)
+        self._loading_from = None  # the checkpoint folder while torchtitan loads one
+        self._residuals_reset: dict[str, str] = {}
+
+    def expect_checkpoint(self, path) -> None:
+        """Told by the trainer around torchtitan's dcp_load (None after): which checkpoint
+        the next state_dict() is loaded from, so its residual entries fit that file."""
+        self._loading_from, self._residuals_reset = path, {}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the true global norm (model params have no .grad: grads live in the engine)."""
@@ -49,15 +60,34 @@ class AmspOptimizersContainer(OptimizersContainer):
     # "_checkpoint_wrapped_module.", torch.compile "_orig_mod."); like torchtitan's model
     # state dict (torch.distributed.checkpoint.state_dict), the saved keys leave the
     # wrappers out, so a checkpoint loads into a job with other AC / compile settings.
+    # With compressed gradients, each part's error-feedback residuals ride along as
+    # "amsp_residuals.<i>" (see [Note: error-feedback residuals in a checkpoint]).
     def state_dict(self) -> dict[str, Any]:
-        return {f"amsp_optim.{i}": _clean_keys(opt.state_dict())
-                for i, opt in enumerate(self.optimizers)}
+        sd = {f"amsp_optim.{i}": _clean_keys(opt.state_dict())
+              for i, opt in enumerate(self.optimizers)}
+        for i, part in enumerate(self.model_parts):
+            entry, name = residual_entry(part), f"{RESIDUALS}.{i}"
+            if entry is None:
+                continue
+            why = None if self._loading_from is None else fit_residuals(
+                self._loading_from, entry, (OPTIMIZER, name))
+            if why:
+                self._residuals_reset[name] = why
+            else:
+                sd[name] = entry
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for i, opt in enumerate(self.optimizers):
             wrapped = {clean_fqn(fqn): fqn for fqn in opt.state_dict()["state"]}
             opt.load_state_dict(_rename_keys(state_dict[f"amsp_optim.{i}"],
                                              lambda fqn: wrapped.get(fqn, fqn)))
+            if f"{RESIDUALS}.{i}" in state_dict:
+                restore_residuals(self.model_parts[i], state_dict[f"{RESIDUALS}.{i}"])
+        for why in sorted(set(self._residuals_reset.values())):
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                logger.warning(f"[amsp] {why}")
+        self._residuals_reset = {}
 
 
 def _rename_keys(sd: dict[str, Any], rename) -> dict[str, Any]:

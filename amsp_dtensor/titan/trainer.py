@@ -23,6 +23,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import torchtitan.distributed.utils as dist_utils
+from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
@@ -31,6 +32,7 @@ from ..engine.compression import residual_norm
 from ..engine.overlap import set_overlap
 from ..checkpoint import OTHER_SETTINGS, check_complete, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
+from .optimizer import RESIDUALS, AmspOptimizersContainer
 from .rng import STATE_KEY as RNG_KEY
 from .rng import RngState
 from .parallelize import amsp_plan_of
@@ -93,23 +95,33 @@ def _refuse_misfits(dcp_load):
         if from_hf:
             return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
         check_complete(checkpoint_id)
-        wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-        if "optimizer" in state_dict:
-            wanted["optimizer"] = state_dict["optimizer"].state_dict()
-        # every non-tensor state (torchtitan's and any other) is its own section, not model
-        others = tuple(_TITAN_SECTIONS) + tuple(
-            k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
-        check_entries_fit(checkpoint_id, wanted,
-                          [("", "model", ""), ("optimizer", "optimizer state", OTHER_SETTINGS)],
-                          others=others)
-        rng = state_dict.get(RNG_KEY)
-        if rng is None:
-            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
-        rng.expect_checkpoint(set(FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata))
+        optimizers = state_dict.get(OPTIMIZER)
+        amsp_optimizers = isinstance(optimizers, AmspOptimizersContainer)
+        if amsp_optimizers:  # its residual entries fit this file (or are left out) from now
+            optimizers.expect_checkpoint(checkpoint_id)
         try:
-            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+            wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+            if optimizers is not None:  # residuals are per rank: fitted above, not compared
+                wanted[OPTIMIZER] = {k: v for k, v in optimizers.state_dict().items()
+                                     if not k.startswith(RESIDUALS)}
+            # every non-tensor state (torchtitan's and any other) is its own section
+            others = tuple(_TITAN_SECTIONS) + tuple(
+                k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+            check_entries_fit(checkpoint_id, wanted,
+                              [("", "model", ""), (OPTIMIZER, "optimizer state", OTHER_SETTINGS)],
+                              others=(*others, f"{OPTIMIZER}.{RESIDUALS}"))
+            rng = state_dict.get(RNG_KEY)
+            if rng is None:
+                return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+            rng.expect_checkpoint(
+                set(FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata))
+            try:
+                return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
+            finally:
+                rng.expect_checkpoint(None)
         finally:
-            rng.expect_checkpoint(None)
+            if amsp_optimizers:
+                optimizers.expect_checkpoint(None)
 
     return load
 
