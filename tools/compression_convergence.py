@@ -1,11 +1,14 @@
 """The debug recipe (4 CPU ranks, 2 simulated nodes x 2, plan p2-g2-os4) trained N steps
 exact and under each compression setting, from identical weights; renders the loss curves
-to docs/compression_convergence.png and the table between the markers in docs/compression.md.
+to docs/compression_convergence_<N>.png and the table between the convergence-<N> markers
+in docs/compression.md (one set per length: the LR schedule depends on the step count).
 
     python -m tools.compression_convergence --steps 100          # runs what is missing, renders
+    python -m tools.compression_convergence --steps 300 --only exact "grads=int8" \
+        "grads=int8, no error feedback"                           # a subset
     python -m tools.compression_convergence --steps 100 --render # renders the saved dumps only
 
-Runs go to runs/compression/<setting>, one at a time under flock /tmp/amsp_cpu.lock."""
+Runs go to runs/compression/<N>steps/<setting>, one at a time under flock /tmp/amsp_cpu.lock."""
 import argparse, re, statistics, subprocess
 from pathlib import Path
 
@@ -17,11 +20,10 @@ SETTINGS = {  # name: extra CLI arguments of amsp_dtensor.train
     "grads=int8, no error feedback": ["--amsp.compress_grads", "int8", "--amsp.no-compress-error-feedback"],
 }
 ROOT, DOC = Path("runs/compression"), Path("docs/compression.md")
-BEGIN, END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
 
 
-def folder(name):
-    return ROOT / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+def folder(name, steps):
+    return ROOT / f"{steps}steps" / re.sub(r"[^a-z0-9]+", "_", name).strip("_")
 
 
 def scalars(dump):
@@ -40,7 +42,7 @@ def series(tb, tag):
 
 
 def run(name, steps):
-    dump = folder(name)
+    dump = folder(name, steps)
     if (dump / "tb").exists() and len(scalars(dump).get("loss_metrics/global_avg_loss", {})) >= steps:
         return
     subprocess.run(["rm", "-rf", str(dump)], check=True)
@@ -55,7 +57,7 @@ def run(name, steps):
 
 def render(steps):
     import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-    tbs = {n: scalars(folder(n)) for n in SETTINGS if (folder(n) / "tb").exists()}
+    tbs = {n: scalars(folder(n, steps)) for n in SETTINGS if (folder(n, steps) / "tb").exists()}
     loss = {n: series(tb, "loss_metrics/global_avg_loss")[:steps] for n, tb in tbs.items()}
     inter = {n: statistics.mean(series(tb, "comm/inter_node_bytes")) for n, tb in tbs.items()}
     ref = loss["exact"]
@@ -65,7 +67,7 @@ def render(steps):
         b.plot(range(1, len(l) + 1), [x - r for x, r in zip(l, ref)], label=n, lw=1)
     a.set(xlabel="step", ylabel="loss", yscale="log", title="debug recipe, p2-g2-os4, 2 nodes x 2")
     b.set(xlabel="step", ylabel="loss - exact loss", title="gap to exact")
-    a.legend(fontsize=8); fig.tight_layout(); fig.savefig("docs/compression_convergence.png", dpi=110)
+    a.legend(fontsize=8); fig.tight_layout(); fig.savefig(f"docs/compression_convergence_{steps}.png", dpi=110)
     rows = ["| setting | final loss | final gap vs exact | within 1% | mean \\|loss - exact\\| | max \\|loss - exact\\| "
             "| mean loss, last 50 steps | cross-node bytes / step | vs exact |", "|---" * 9 + "|"]
     for n, l in loss.items():
@@ -78,8 +80,8 @@ def render(steps):
             f"({ref[0]:.5f}). Cross-node bytes: comm/inter_node_bytes per rank per step (mean over the run)."
             + "".join(f" Not run: {n}." for n in SETTINGS if n not in tbs) + "\n\n"
             + "\n".join(rows))
-    doc = DOC.read_text()
-    DOC.write_text(doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):])
+    doc, begin, end = DOC.read_text(), f"<!-- convergence-{steps}:begin -->", f"<!-- convergence-{steps}:end -->"
+    DOC.write_text(doc[:doc.index(begin) + len(begin)] + "\n" + text + "\n" + doc[doc.index(end):])
     print(text)
 
 
