@@ -80,6 +80,21 @@ def test_tp_applied_after_fully_shard_is_refused_at_the_next_forward(fake_four_r
     assert "apply tensor parallelism (parallelize_module) before amsp.fully_shard" in message
 
 
+def test_tp_applied_after_fully_shard_on_fsdp2_sharded_units_is_torchs_one_line(fake_four_ranks):
+    """s_p > 1: FSDP2 already made the params DTensors on the "p" mesh, and
+    parallelize_module refuses to move them to the tp mesh, in one line, before any
+    collective (pinned here: a torch that accepted it would need our own refusal)."""
+    plan = amsp.ShardingPlan(2, 2, 4)
+    mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
+    model = TinyLlama()
+    shard_model(model, mesh, plan)
+    with pytest.raises(ValueError) as e:
+        tensor_parallelize(model, DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",)))
+    message = _one_line(e)
+    assert message.startswith("Cannot distribute a DTensor with device mesh") and \
+        "to a different device mesh" in message
+
+
 def test_adafactor_with_tp(fake_four_ranks):
     plan = amsp.ShardingPlan(2, 2, 2)
     mesh = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu", tp=2)
