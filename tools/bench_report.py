@@ -384,7 +384,8 @@ def section(data: dict, command: str, png_name: str) -> str:
              f"- Workload: llama3 `{a['flavor']}` ({meta['model']['params']:,} params), fp32, "
              f"seq {a['seq']}, {a['micro_batch']} sequence per rank per micro-batch, M = "
              f"{a['micro_batches']}: {meta['tokens_per_step']} tokens per step; AdamW.",
-             f"- {len(rows)} configurations, interleaved in each of {a['reps']} repetitions"
+             f"- {len(rows) + len(compressed)} configurations, interleaved in each of "
+             f"{a['reps']} repetitions"
              + (" (DeepSpeed MiCS in a process set of its own after the others: it needs "
                 "DeepSpeed 0.19.6)" if any(r["family"] == "ds_mics" for r in rows) else "")
              + f"; each rebuilt from the same seed, {a['warmup']} warm-up steps"
