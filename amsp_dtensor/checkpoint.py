@@ -369,9 +369,10 @@ def check_entries_fit(path: str | Path, state: dict[str, Any],
         if prefix:
             if prefix.split(".")[0] not in state:
                 continue
+            inner = [o for o in others if o.startswith(prefix + ".")]  # not compared here
             wanted = {k: v for k, v in wanted_all.items() if k.startswith(prefix + ".")}
             have = {k: v for k, v in stored.items() if k.startswith(prefix + ".")
-                    and not any(k.startswith(o + ".") for o in others)}
+                    and not any(k.startswith(o + ".") for o in inner)}
         else:
             wanted = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
             have = {k: v for k, v in stored.items()
