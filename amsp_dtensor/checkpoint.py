@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .engine import handle
 
@@ -158,13 +158,14 @@ def residual_entry(model) -> dict | None:
                                            for name, r in unit.residual_state().items()}}
 
 
-def fit_residuals(path: str | Path, entry: dict, at: tuple[str, ...]) -> str | None:
+def fit_residuals(path: str | Path, entry: dict, at: tuple[str, ...],
+                  metadata: Metadata | None = None) -> str | None:
     """Make ``entry`` (``residual_entry``'s, at the nested keys ``at`` of the saved state:
-    ``("residuals",)`` here) loadable from the checkpoint ``path``: this rank's tensors
-    allocated from its metadata. Returns why
-    they cannot load (saved for another plan, world or codec, or not saved): the caller
-    then leaves the entry out and warns once."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    ``("residuals",)`` here) loadable from the checkpoint ``path`` (whose ``metadata`` the
+    caller may have read already): this rank's tensors allocated from its metadata.
+    Returns why they cannot load (saved for another plan, world or codec, or not saved):
+    the caller then leaves the entry out and warns once."""
+    metadata = metadata or FileSystemReader(str(path)).read_metadata()
     saved, stored = None, ".".join(at)  # DCP's flattened name of the entry
     if f"{stored}.key" in metadata.state_dict_metadata:
         info: dict = {"key": ""}
@@ -351,15 +352,17 @@ OTHER_SETTINGS = " (other optimizer settings?)"
 
 
 def check_entries_fit(path: str | Path, state: dict[str, Any],
-                      sections: list[tuple[str, str, str]], others: tuple[str, ...] = ()) -> None:
-    """Compare the tensors of ``state`` with the checkpoint's metadata (a local file read),
-    one section at a time: ``(key prefix, what to call it, hint)``. The prefix "" means the
-    tensors at the top level (where torchtitan keeps the model's), compared with every
-    stored key outside the other sections and outside ``others`` (prefixes of entries that
-    are not checked, e.g. torchtitan's "lr_scheduler", or inside a section,
-    "optimizer.amsp_residuals"). Raises CheckpointMismatch on the
-    first missing entry, unexpected entry or other shape."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+                      sections: list[tuple[str, str, str]], others: tuple[str, ...] = (),
+                      metadata: Metadata | None = None) -> None:
+    """Compare the tensors of ``state`` with the checkpoint's metadata (a local file read,
+    unless the caller passes ``metadata``), one section at a time: ``(key prefix, what to
+    call it, hint)``. The prefix "" means the tensors at the top level (where torchtitan
+    keeps the model's), compared with every stored key outside the other sections and
+    outside ``others``: prefixes of entries that are not compared, on either side (e.g.
+    torchtitan's "lr_scheduler", or inside a section, "optimizer.amsp_residuals": per-rank
+    entries fitted on their own). Raises CheckpointMismatch on the first missing entry,
+    unexpected entry or other shape."""
+    metadata = metadata or FileSystemReader(str(path)).read_metadata()
     stored = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
               if isinstance(md, TensorStorageMetadata)}
     wanted_all: dict[str, tuple] = {}
@@ -370,9 +373,11 @@ def check_entries_fit(path: str | Path, state: dict[str, Any],
             if prefix.split(".")[0] not in state:
                 continue
             inner = [o for o in others if o.startswith(prefix + ".")]  # not compared here
-            wanted = {k: v for k, v in wanted_all.items() if k.startswith(prefix + ".")}
-            have = {k: v for k, v in stored.items() if k.startswith(prefix + ".")
-                    and not any(k.startswith(o + ".") for o in inner)}
+            def compared(k: str) -> bool:
+                return k.startswith(prefix + ".") and not any(k.startswith(o + ".") for o in inner)
+
+            wanted = {k: v for k, v in wanted_all.items() if compared(k)}
+            have = {k: v for k, v in stored.items() if compared(k)}
         else:
             wanted = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
             have = {k: v for k, v in stored.items()

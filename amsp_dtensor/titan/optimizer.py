@@ -38,13 +38,28 @@ class AmspOptimizersContainer(OptimizersContainer):
         self.optimizers = [amsp.AMSPOptimizer(m, optimizer_cls, **optimizer_kwargs) for m in model_parts]
         all_params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
         compat.titan_optimizers_container_init(self, all_params, optimizer_kwargs)
-        self._loading_from = None  # the checkpoint folder while torchtitan loads one
+        # While torchtitan loads a checkpoint: each part's residual entry fitted to it
+        # (state_dict() offers these), and why the others start from zero
+        self._fitted: dict[str, dict] | None = None
         self._residuals_reset: dict[str, str] = {}
 
-    def expect_checkpoint(self, path) -> None:
+    def expect_checkpoint(self, path, metadata=None) -> None:
         """Told by the trainer around torchtitan's dcp_load (None after): which checkpoint
-        the next state_dict() is loaded from, so its residual entries fit that file."""
-        self._loading_from, self._residuals_reset = path, {}
+        (and its metadata, if read) the next state_dict() calls are loaded from. The
+        residual entries are fitted to that file here, once per load."""
+        self._fitted, self._residuals_reset = None, {}
+        if path is None:
+            return
+        self._fitted = {}
+        for i, part in enumerate(self.model_parts):
+            entry, name = residual_entry(part), f"{RESIDUALS}.{i}"
+            if entry is None:
+                continue
+            why = fit_residuals(path, entry, (OPTIMIZER, name), metadata)
+            if why:
+                self._residuals_reset[name] = why
+            else:
+                self._fitted[name] = entry
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the true global norm (model params have no .grad: grads live in the engine)."""
@@ -65,16 +80,12 @@ class AmspOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         sd = {f"amsp_optim.{i}": _clean_keys(opt.state_dict())
               for i, opt in enumerate(self.optimizers)}
+        if self._fitted is not None:
+            return sd | self._fitted
         for i, part in enumerate(self.model_parts):
-            entry, name = residual_entry(part), f"{RESIDUALS}.{i}"
-            if entry is None:
-                continue
-            why = None if self._loading_from is None else fit_residuals(
-                self._loading_from, entry, (OPTIMIZER, name))
-            if why:
-                self._residuals_reset[name] = why
-            else:
-                sd[name] = entry
+            entry = residual_entry(part)
+            if entry is not None:
+                sd[f"{RESIDUALS}.{i}"] = entry
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

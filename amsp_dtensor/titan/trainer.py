@@ -95,26 +95,26 @@ def _refuse_misfits(dcp_load):
         if from_hf:
             return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
         check_complete(checkpoint_id)
+        metadata = FileSystemReader(checkpoint_id).read_metadata()
         optimizers = state_dict.get(OPTIMIZER)
         amsp_optimizers = isinstance(optimizers, AmspOptimizersContainer)
         if amsp_optimizers:  # its residual entries fit this file (or are left out) from now
-            optimizers.expect_checkpoint(checkpoint_id)
+            optimizers.expect_checkpoint(checkpoint_id, metadata)
         try:
             wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-            if optimizers is not None:  # residuals are per rank: fitted above, not compared
-                wanted[OPTIMIZER] = {k: v for k, v in optimizers.state_dict().items()
-                                     if not k.startswith(RESIDUALS)}
-            # every non-tensor state (torchtitan's and any other) is its own section
+            if optimizers is not None:
+                wanted[OPTIMIZER] = optimizers.state_dict()
+            # every non-tensor state (torchtitan's and any other) is its own section; the
+            # residuals are per rank, fitted above, not compared
             others = tuple(_TITAN_SECTIONS) + tuple(
                 k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
             check_entries_fit(checkpoint_id, wanted,
                               [("", "model", ""), (OPTIMIZER, "optimizer state", OTHER_SETTINGS)],
-                              others=(*others, f"{OPTIMIZER}.{RESIDUALS}"))
+                              others=(*others, f"{OPTIMIZER}.{RESIDUALS}"), metadata=metadata)
             rng = state_dict.get(RNG_KEY)
             if rng is None:
                 return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
-            rng.expect_checkpoint(
-                set(FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata))
+            rng.expect_checkpoint(set(metadata.state_dict_metadata))
             try:
                 return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
             finally:
