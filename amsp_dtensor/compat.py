@@ -328,6 +328,32 @@ def destroy_process_group_at_exit() -> None:
     torch.distributed.destroy_process_group()
 
 
+# ---- tensor parallelism ------------------------------------------------------------------
+# [Note: tensor parallelism applied after amsp.fully_shard] parallelize_module hands each
+# target module to DTensor's distribute_module, whose first act is
+# ``if getattr(module, "_distribute_module_applied", False): raise ...`` (torch 2.13
+# torch/distributed/tensor/_api.py), before any parameter is touched or any collective
+# issued. amsp.fully_shard sets that flag on every module whose parameters it sharded to an
+# object whose truth test raises our refusal, so the user reads what to change instead of
+# torch's "Cannot distribute a DTensor with device mesh ... to a different device mesh"
+# (s_p > 1) or, for s_p = 1, a plan that silently stopped matching the parameters. A module
+# TP already split keeps torch's True (its own "only be called once" check). Pinned by
+# tests/test_tensor_parallel_errors.py: a torch that stops reading the flag fails there.
+class _ShardedBeforeTensorParallel:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __bool__(self) -> bool:
+        raise RuntimeError(self.message)
+
+
+def refuse_tensor_parallel_after_shard(module: nn.Module, message: str) -> None:
+    """Make a later ``distribute_module(module, ...)`` raise RuntimeError(``message``)."""
+    if module.__dict__.get("_distribute_module_applied") is True:
+        return
+    module._distribute_module_applied = _ShardedBeforeTensorParallel(message)
+
+
 # ---- autograd ------------------------------------------------------------------------
 def torch_dispatch_mode_base() -> type:
     """The base class of modes that see every aten op (used by tools/bench_memory to

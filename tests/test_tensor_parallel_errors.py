@@ -63,36 +63,45 @@ def test_tp_params_with_a_mesh_built_without_tp(fake_four_ranks):
     assert "amsp.init_mesh(plan, tp=N)" in _one_line(e)
 
 
-def test_tp_applied_after_fully_shard_is_refused_at_the_next_forward(fake_four_ranks):
-    """s_p = 1 units keep plain parameters, which parallelize_module can still replace;
-    the unit refuses at its next forward, before anything is issued. (Units with s_p > 1
-    hold FSDP2's DTensors, and parallelize_module itself refuses to redistribute them.)"""
+@pytest.mark.parametrize("plan", [(1, 1, 4), (2, 2, 4)], ids=["s_p=1", "s_p=2"])
+def test_tp_applied_after_fully_shard_is_refused_naming_the_order(fake_four_ranks, plan):
+    """parallelize_module after amsp.fully_shard: refused by the first module it would
+    split, before any parameter is replaced. (Without the refusal, s_p > 1 ends in torch's
+    "Cannot distribute a DTensor with device mesh ..." and s_p = 1 silently replaces the
+    plain parameters the unit was built over.)"""
+    plan = amsp.ShardingPlan(*plan)
+    mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
+    model = TinyLlama()
+    shard_model(model, mesh, plan)
+    before = {name: p for name, p in model.named_parameters()}
+    with pytest.raises(RuntimeError) as e:
+        tensor_parallelize(model, DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",)))
+    message = _one_line(e)
+    assert message.startswith("Embedding 'tok_embeddings' of TinyLlama was sharded by "
+                              "amsp.fully_shard"), message
+    assert message.endswith("apply it first (parallelize_module(model, mesh['tp'], tp_plan), "
+                            "mesh from amsp.init_mesh(plan, tp=N)), then amsp.fully_shard")
+    assert all(p is before[name] for name, p in model.named_parameters())
+
+
+def test_parameter_made_a_dtensor_after_fully_shard_is_refused_at_the_next_forward(fake_four_ranks):
+    """An s_p = 1 unit's plain parameter replaced by a TP DTensor some other way than
+    parallelize_module: the unit refuses at its next forward, before anything is issued."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     plan = amsp.ShardingPlan(1, 1, 4)
     mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
     model = TinyLlama()
     shard_model(model, mesh, plan)
-    tensor_parallelize(model, DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",)))
+    wq = model.layers[0].attention.wq
+    tp_mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",))
+    wq.register_parameter("weight", torch.nn.Parameter(distribute_tensor(wq.weight, tp_mesh, [Shard(0)])))
     tokens = torch.zeros(2, 9, dtype=torch.long)
     with pytest.raises(RuntimeError) as e:
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
     message = _one_line(e)
     assert "was a plain tensor when amsp.fully_shard ran" in message
     assert "apply tensor parallelism (parallelize_module) before amsp.fully_shard" in message
-
-
-def test_tp_applied_after_fully_shard_on_fsdp2_sharded_units_is_torchs_one_line(fake_four_ranks):
-    """s_p > 1: FSDP2 already made the params DTensors on the "p" mesh, and
-    parallelize_module refuses to move them to the tp mesh, in one line, before any
-    collective (pinned here: a torch that accepted it would need our own refusal)."""
-    plan = amsp.ShardingPlan(2, 2, 4)
-    mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
-    model = TinyLlama()
-    shard_model(model, mesh, plan)
-    with pytest.raises(ValueError) as e:
-        tensor_parallelize(model, DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",)))
-    message = _one_line(e)
-    assert message.startswith("Cannot distribute a DTensor with device mesh") and \
-        "to a different device mesh" in message
 
 
 def test_adafactor_with_tp(fake_four_ranks):

@@ -256,6 +256,7 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
     trainable = [(n, p) for n, p in named if p.requires_grad]
     frozen = [p for _, p in named if not p.requires_grad]
     tp_of = _tp_layout_of(info, modules, located)  # (module index, name) -> (placement, shape)
+    tp_refusals = _tp_after_shard_refusals(modules, located)  # named before FSDP2's class swap
     global_shapes = [_local_shape(p) for _, p in trainable]
     grad_stream = streams.grad_stream(info.mesh.device_type)
     if uses_fsdp:
@@ -313,6 +314,8 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
     sharded = [fp.sharded_param for fp in compat.fsdp_params(module)] if uses_fsdp else []
     for param in [*unit.params, *sharded, *(p for _, p in named)]:
         handle.set_param_owner(param, unit)
+    for owner, message in tp_refusals:
+        compat.refuse_tensor_parallel_after_shard(owner, message)
     # Runs before FSDP's own pre-forward (prepend): the new P shard of this unit, sent
     # by the last optimizer step, must have landed before it is all-gathered or used.
     for m in modules:
@@ -321,6 +324,21 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
         _land_before_submodule_forward(unit)
     _land_before_state_dicts(unit)
     return unit
+
+
+def _tp_after_shard_refusals(modules, located) -> list[tuple[nn.Module, str]]:
+    """(module, message) for each module owning a param of the unit: see [Note: tensor
+    parallelism applied after amsp.fully_shard] in compat.py."""
+    out = {}
+    for i, name, _ in located:
+        path = name.rpartition(".")[0]
+        owner = modules[i].get_submodule(path)
+        where = f"{type(owner).__name__} {path!r} of {_describe(modules)}" if path else _describe(modules)
+        out[id(owner)] = owner, (
+            f"{where} was sharded by amsp.fully_shard, and tensor parallelism cannot split it "
+            "afterwards: apply it first (parallelize_module(model, mesh['tp'], tp_plan), "
+            "mesh from amsp.init_mesh(plan, tp=N)), then amsp.fully_shard")
+    return list(out.values())
 
 
 def _local_shape(param):
