@@ -33,6 +33,7 @@ NIC limit there too), and NCCL's per-size channel and thread tuning.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -233,7 +234,7 @@ class NcclModel:
     def choose(self, op: str, nbytes: int, group: GroupShape) -> Choice | None:
         if group.size <= 1 or nbytes <= 0:
             return None
-        return min(self.candidates(op, int(nbytes), group), key=lambda c: c.seconds)
+        return _fastest(self, op, int(nbytes), group)
 
     def time(self, op: str, nbytes: int, group: GroupShape) -> float:
         c = self.choose(op, nbytes, group)
@@ -247,6 +248,14 @@ class NcclModel:
         return (f"NCCL tuning model, NVLink {self.nvlink_bw / 1e9:g} GB/s/GPU, "
                 f"{self.nics_per_node}x{self.nic_bw / 1e9:g} GB/s NICs per "
                 f"{self.gpus_per_node} GPUs")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _fastest(model: NcclModel, op: str, nbytes: int, group: GroupShape) -> Choice:
+    """NCCL's pick for one call. The planner asks the same few (op, size, group) questions
+    hundreds of thousands of times per search (every layer of every candidate plan), so
+    the answers are kept: the model and group are frozen dataclasses, Choice immutable."""
+    return min(model.candidates(op, nbytes, group), key=lambda c: c.seconds)
 
 
 # The paper's cluster: A800 (NVLink ~150 GB/s bus bandwidth measured by nccl-tests on 8
