@@ -27,8 +27,10 @@ rank's exception raised in the caller.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -39,6 +41,31 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from ..compat import destroy_process_group_at_exit
+
+
+# [Note: ranks forked from a server that imported torch once] Spawned ranks each start
+# an interpreter and import torch and amsp_dtensor afresh: on 2 cores a 4-rank world took
+# 8 s and an 8-rank one 13 s before its first case, for every world of every test module.
+# The ranks are forked instead from multiprocessing's fork server, which imports these
+# modules once per test process and has started no thread (so forking it is safe). As
+# with spawn, a rank sees none of the parent's in-memory changes (module state,
+# monkeypatches). The server's environment and sys.path are those of its own start, so
+# the parent's current ones are handed to each rank explicitly.
+_PRELOAD = ["torch", "torch.distributed", "amsp_dtensor", "amsp_dtensor.testing.multiproc"]
+
+
+def _start_ranks(worker, args: tuple, world_size: int):
+    """``worker(rank, *args)`` in ``world_size`` processes forked from the fork server."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts
+    return mp.start_processes(_as_parent, args=(worker, dict(os.environ), list(sys.path), args),
+                              nprocs=world_size, join=False, start_method="forkserver")
+
+
+def _as_parent(rank, worker, environ: dict, path: list, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    worker(rank, *args)
 
 
 def _setup_rank(rank, ranks_per_node):
@@ -101,13 +128,8 @@ def run_on_ranks(fn, world_size: int, ranks_per_node: int, *args, timeout: float
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(
-            _worker,
-            args=(world_size, ranks_per_node, init_file, tmp, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
+        ctx = _start_ranks(_worker, (world_size, ranks_per_node, init_file, tmp, fn, args),
+                           world_size)
         stopped = _join(ctx, timeout)
         if stopped is not None:
             raise TimeoutError(stopped) if "did not finish" in stopped else RuntimeError(stopped)
@@ -287,8 +309,8 @@ def run_cases(cases: Mapping[Hashable, Callable], world_size: int, ranks_per_nod
               *args, timeout: float = 600) -> CaseResults:
     """Run every case, in order, on one ``world_size``-rank gloo process group.
 
-    ``cases``: name -> fn, called as fn(rank, world_size, *args) on every rank (spawned
-    processes: fn must pickle, e.g. a module-level function or a functools.partial of
+    ``cases``: name -> fn, called as fn(rank, world_size, *args) on every rank (forked
+    processes that receive fn pickled: it must pickle, e.g. a module-level function or a functools.partial of
     one). Returns a CaseResults; its ``get(name)`` is the list of the ranks' return values,
     or fails the calling test with the case's traceback. Never raises for a failed case or
     a failed world: those fail the ``get`` of each case they cost.
@@ -297,13 +319,8 @@ def run_cases(cases: Mapping[Hashable, Callable], world_size: int, ranks_per_nod
     fns = [cases[name] for name in names]
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(
-            _case_worker,
-            args=(world_size, ranks_per_node, init_file, tmp, fns, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
+        ctx = _start_ranks(_case_worker, (world_size, ranks_per_node, init_file, tmp, fns, args),
+                           world_size)
         stopped = _join(ctx, timeout)
         values, failures = _collect(names, world_size, tmp, stopped)
     return CaseResults(names, world_size, values, failures)
