@@ -157,7 +157,7 @@ SHORT = ["--training.seq_len", str(SEQ_LEN), "--training.steps", str(STEPS),
 # weights or the optimizer state would be far off (from scratch: ~8.0 at step 3 and
 # ~7.8 at step 4, against the 4-rank run's ~7.5 and ~6.8).
 RESUME_REL_TOL = 0.05
-THREE_STEPS = [str(3) if a == str(STEPS) else a for a in SHORT]
+FIVE_STEPS = [str(5) if a == str(STEPS) else a for a in SHORT]
 
 
 @pytest.fixture(scope="module")
@@ -284,46 +284,45 @@ def test_rank_killed_in_step_3_restarts_from_step_2_with_the_same_curve(saved_on
 
 
 @pytest.fixture(scope="module")
-def compressed_saved_and_resumed(tmp_path_factory):
-    """3 steps under int8 gradients (a checkpoint at step 2), and a fresh job resumed from
-    it with the same settings."""
-    compressed = [*THREE_STEPS, "--amsp.compress_grads", "int8"]
-    saved = tmp_path_factory.mktemp("compressed_saved")
-    torchrun(compressed, saved, nproc=4)
+def compressed_runs(tmp_path_factory, saved_on_4):
+    """Under int8 gradients: a job resumed from the exact run's step-2 checkpoint that
+    trains steps 3-5 (saving at step 4), and a fresh job resumed from its step 4."""
+    compressed = [*FIVE_STEPS, "--amsp.compress_grads", "int8"]
+    first = tmp_path_factory.mktemp("compressed_from_exact")
+    shutil.copytree(saved_on_4[0] / "checkpoint" / "step-2", first / "checkpoint" / "step-2")
+    first_log = torchrun(compressed, first, nproc=4)
     resumed = tmp_path_factory.mktemp("compressed_resumed")
-    shutil.copytree(saved / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    proc = torchrun(compressed, resumed, nproc=4)
-    return saved, resumed, proc.stdout + proc.stderr
+    shutil.copytree(first / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    resumed_log = torchrun(compressed, resumed, nproc=4)
+    return first, first_log.stdout + first_log.stderr, resumed, resumed_log.stdout + resumed_log.stderr
 
 
 @multiproc
-def test_compressed_resume_restores_the_error_feedback_residuals(compressed_saved_and_resumed):
-    """torchtitan's checkpoint carries each rank's residuals: the resumed job's residual
-    norm and loss at step 3 are the uninterrupted run's. (Residuals restarted from zero
-    would hold step 3's leftover alone, not what three steps left.)"""
-    saved, resumed, log = compressed_saved_and_resumed
-    assert "Training starts at step 3" in log and "error-feedback residuals" not in log, log[-3000:]
-    want, got = scalars(saved), scalars(resumed)
-    assert sorted(got["amsp/residual_norm"]) == [3]
-    mine, uninterrupted = got["amsp/residual_norm"][3], want["amsp/residual_norm"][3]
-    assert mine == pytest.approx(uninterrupted, rel=1e-6), (mine, uninterrupted)
-    assert got["loss_metrics/global_avg_loss"][3] == pytest.approx(
-        want["loss_metrics/global_avg_loss"][3], abs=1e-6)
-
-
-@multiproc
-def test_exact_checkpoint_resumed_with_compression_warns_once(saved_on_4, tmp_path):
+def test_exact_checkpoint_resumed_with_compression_warns_once(compressed_runs):
     """A checkpoint saved without compressed gradients holds no residuals: a compressed
     job resumes from it with one warning, its residuals starting from zero."""
-    saved, _ = saved_on_4
-    shutil.copytree(saved / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
-    proc = torchrun([*THREE_STEPS, "--amsp.compress_grads", "int8"], tmp_path, nproc=4)
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
-             if "error-feedback residuals" in line]
+    _, log, _, _ = compressed_runs
+    assert "Training starts at step 3" in log, log[-3000:]
+    lines = [line for line in log.splitlines() if "error-feedback residuals" in line]
     assert len(lines) == 1, lines
     assert lines[0].endswith(
         "holds no error-feedback residuals and this job runs p2-g2-os4 on 4 ranks, 2 per node, "
         "grads=int8: they start from zero")
+
+
+@multiproc
+def test_compressed_resume_restores_the_error_feedback_residuals(compressed_runs):
+    """torchtitan's checkpoint carries each rank's residuals: the job resumed at step 5
+    has the uninterrupted run's residual norm and loss there. (Residuals restarted from
+    zero would hold step 5's leftover alone, not what steps 3-5 left.)"""
+    first, _, resumed, log = compressed_runs
+    assert "Training starts at step 5" in log and "error-feedback residuals" not in log, log[-3000:]
+    want, got = scalars(first), scalars(resumed)
+    assert sorted(got["amsp/residual_norm"]) == [5] and 5 in want["amsp/residual_norm"]
+    mine, uninterrupted = got["amsp/residual_norm"][5], want["amsp/residual_norm"][5]
+    assert mine == pytest.approx(uninterrupted, rel=1e-6), (mine, uninterrupted)
+    assert got["loss_metrics/global_avg_loss"][5] == pytest.approx(
+        want["loss_metrics/global_avg_loss"][5], abs=1e-6)
 
 
 def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
