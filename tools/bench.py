@@ -5,8 +5,8 @@
     flock /tmp/amsp_cpu.lock python -m tools.bench compression --nodes 2 --bw 1gbit,200mbit
     python -m tools.bench install-peers        # DeepSpeed, Megatron-FSDP under runs/peers/
 
-Results go to runs/bench/, the sections and charts to docs/benchmarks.md (other sections
-kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_frontier`` /
+Results go to runs/bench/, the sections and charts to docs/benchmarks.md (its header and
+other sections kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_frontier`` /
 ``tools.bench_overlap`` are the two subcommands under their older names.
 """
 
@@ -231,7 +231,7 @@ def render_frontier(data: dict, args) -> int:
     R.chart(R.summarize(data), meta, str(png))
     doc = Path(args.doc)
     sec = R.section(data, meta["command"], os.path.relpath(png, doc.parent))
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, sec))
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", frontier_section=sec))
     print(sec[:sec.find("### Each system")])
     return 0
 
@@ -279,7 +279,7 @@ def compression(args, argv: list[str]) -> int:
 def render_compression(saved: dict, args) -> int:
     doc = Path(args.doc)
     sec = R.compression_section(saved["runs"], saved["commands"])
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, compression=sec))
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", compression=sec))
     return 0
 
 
@@ -317,7 +317,7 @@ def overlap(args, argv: list[str]) -> int:
 def render_overlap(runs: list[dict], command: str, args) -> int:
     doc = Path(args.doc)
     sec = R.overlap_section(runs, command)
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, overlap=sec))
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", overlap=sec))
     return 0
 
 
@@ -368,9 +368,6 @@ def main(argv=None) -> int:
         return (overlap if args.what == "overlap" else compression)(args, argv[1:])
     return frontier(args, argv[1:])
 
-
-HEADER = (REPO / "tools" / "bench_header.md").read_text() if (
-    REPO / "tools" / "bench_header.md").exists() else "# Benchmarks\n"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,6 +32,8 @@ COMPRESSION = ("<!-- compression:begin -->", "<!-- compression:end -->")
 # one section per scale and link rate: "frontier-2x2" (1gbit) or "frontier-2x2-200mbit"
 _SECTION = re.compile(r"<!-- frontier-(\d+)x(\d+)(-\w+|):begin -->.*?<!-- frontier-\1x\2\3:end -->",
                       re.S)
+_BEGIN = re.compile(r"<!-- (frontier-\d+x\d+(-\w+)?|overlap|compression):begin -->")
+DEFAULT_HEADER = "# Benchmarks\n"  # a new document's; an existing one keeps its own
 
 
 def scale_tag(meta: dict) -> str:
@@ -608,14 +610,21 @@ def overlap_of(text: str, marks=OVERLAP) -> str | None:
     return text[i:j + len(marks[1])] if i >= 0 and j >= 0 else None
 
 
-def assemble(old_text: str, header: str, frontier_section: str | None = None,
+def header_of(text: str) -> str:
+    """The document's text before its first generated section (DEFAULT_HEADER if none)."""
+    m = _BEGIN.search(text)
+    return (text[:m.start()] if m else text).rstrip("\n") or DEFAULT_HEADER
+
+
+def assemble(old_text: str, header: str | None = None, frontier_section: str | None = None,
              overlap: str | None = None, compression: str | None = None) -> str:
-    """The whole document: header, the frontier sections (the new one replacing its scale,
-    fewest ranks first), the overlap and compression sections (each the new one, else the
-    old one verbatim)."""
+    """The whole document: the header (by default the old document's own), the frontier
+    sections (the new one replacing its scale, fewest ranks first), the overlap and
+    compression sections (each the new one, else the old one verbatim)."""
     sections = sections_of(old_text)
     sections.update(sections_of(frontier_section or ""))
     ordered = [sections[k] for k in sorted(sections, key=lambda k: (k[0] * k[1], k))]
     kept = [x for x in (overlap or overlap_of(old_text),
                         compression or overlap_of(old_text, COMPRESSION)) if x]
+    header = header or header_of(old_text)
     return "\n\n".join([header.rstrip("\n"), *ordered, *kept]) + "\n"
