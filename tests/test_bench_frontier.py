@@ -228,7 +228,8 @@ def test_from_json_renders_through_the_old_command_without_running(tmp_path, mon
                    "--png-dir", str(tmp_path)]) == 0
     text = doc.read_text()
     assert text.startswith("# Kept\n\nby hand\n\n<!-- frontier-2x2:begin -->")  # its header
-    assert R.header_of("") == R.header_of("<!-- overlap:begin -->") == "# Benchmarks\n"
+    assert R.header_of("") == R.header_of("<!-- overlap:begin -->\n<!-- overlap:end -->") == \
+        "# Benchmarks"  # a new document's
     assert "flock x python -m tools.bench_frontier --nodes 2" in text
     assert text.rstrip().endswith("<!-- overlap:begin -->\nO\n<!-- overlap:end -->")
     assert (tmp_path / "frontier_2x2.png").stat().st_size > 0

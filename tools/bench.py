@@ -131,7 +131,7 @@ def planner_data(data: dict) -> dict:
 # ---------------------------------------------------------------- running
 
 
-def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None = None) -> dict:
+def run_sets(args, runs: list[str], out_dir: Path, link) -> dict:
     """Run `runs` on the cluster, one torchrun set per peer process set (MiCS needs another
     DeepSpeed), and merge their results; meta from the first set, wall time summed."""
     from tools import bench_peers
@@ -144,8 +144,7 @@ def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None 
     for env, mine in sets.items():
         out = out_dir / f"result_{env}.json"
         spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=link,
-                           netns=not args.no_netns, timeout_s=args.timeout,
-                           env=extra_env or {})
+                           netns=not args.no_netns, timeout_s=args.timeout)
         rc = run_cluster(spec, ["-m", "tools.bench_worker", *W.workload_argv(args), "--env", env,
                                 "--runs", ",".join(mine), "--out", str(out)])
         if not out.exists():
@@ -220,19 +219,25 @@ def frontier(args, argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     print(f"wrote {out}")
-    return render_frontier(data, args)
+    return render("frontier", data, args)
 
 
-def render_frontier(data: dict, args) -> int:
-    meta = data["meta"]
-    data["planner"] = planner_data(data)
-    png = Path(args.png_dir) / f"frontier_{R.scale_tag(meta)}.png"
-    png.parent.mkdir(parents=True, exist_ok=True)
-    R.chart(R.summarize(data), meta, str(png))
+def render(what: str, data: dict, args) -> int:
+    """Put ``data`` (a result file of `what`) into --doc; a frontier also gets its chart."""
     doc = Path(args.doc)
-    sec = R.section(data, meta["command"], os.path.relpath(png, doc.parent))
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", frontier_section=sec))
-    print(sec[:sec.find("### Each system")])
+    if what == "overlap":
+        section = {"overlap": R.overlap_section(data["runs"], data["command"])}
+    elif what == "compression":
+        section = {"compression": R.compression_section(data["runs"], data["commands"])}
+    else:
+        data["planner"] = planner_data(data)
+        png = Path(args.png_dir) / f"frontier_{R.scale_tag(data['meta'])}.png"
+        png.parent.mkdir(parents=True, exist_ok=True)
+        R.chart(R.summarize(data), data["meta"], str(png))
+        sec = R.section(data, data["meta"]["command"], os.path.relpath(png, doc.parent))
+        print(sec[:sec.find("### Each system")])
+        section = {"frontier_section": sec}
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", **section))
     return 0
 
 
@@ -273,14 +278,7 @@ def compression(args, argv: list[str]) -> int:
         saved["commands"] = [c for c in saved["commands"] if c != command] + [command]
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(saved, indent=1))
-    return render_compression(saved, args)
-
-
-def render_compression(saved: dict, args) -> int:
-    doc = Path(args.doc)
-    sec = R.compression_section(saved["runs"], saved["commands"])
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", compression=sec))
-    return 0
+    return render("compression", saved, args)
 
 
 def overlap(args, argv: list[str]) -> int:
@@ -308,17 +306,11 @@ def overlap(args, argv: list[str]) -> int:
                             f"loopback; planned plan {planned}")
         runs_out.append(data)
         print(R.overlap_table(data))
+    saved = {"command": command, "runs": runs_out}
     out = Path(args.out_json or REPO / "runs" / "bench" / "overlap.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "runs": runs_out}, indent=1))
-    return render_overlap(runs_out, command, args)
-
-
-def render_overlap(runs: list[dict], command: str, args) -> int:
-    doc = Path(args.doc)
-    sec = R.overlap_section(runs, command)
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", overlap=sec))
-    return 0
+    out.write_text(json.dumps(saved, indent=1))
+    return render("overlap", saved, args)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -355,12 +347,7 @@ def main(argv=None) -> int:
 
         return bench_peers.install()
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        if args.what == "overlap":
-            return render_overlap(data["runs"], data["command"], args)
-        if args.what == "compression":
-            return render_compression(data, args)
-        return render_frontier(data, args)
+        return render(args.what, json.loads(Path(args.from_json).read_text()), args)
     if args.what in ("overlap", "compression"):
         args.warmup = 1 if "--warmup" not in argv else args.warmup
         args.plans = args.plans or ("p1-g1-os2" if args.what == "overlap"
