@@ -1,12 +1,10 @@
 """Launch one torchrun per emulated node, wait, and always tear everything down.
 
-``run_cluster`` is the whole life cycle: clean stale namespaces of dead owners, build the
-network, start ``torchrun --nnodes N --node_rank i`` in node i's namespace (or on loopback
-with ``netns=False``), stream their output with a ``[n<i>]`` prefix, wait for all (or the
-first failure, or the timeout), then kill what is left and delete the namespaces. Teardown
-runs on normal exit, on an exception, on timeout and on SIGINT/SIGTERM/SIGHUP (the handlers
-turn the signal into an exception so the ``finally`` runs). A SIGKILLed tool cannot clean
-up; its torchruns get SIGTERM through PR_SET_PDEATHSIG and the next run (or
+``run_cluster``: clean stale namespaces, build the network, start ``torchrun --nnodes N
+--node_rank i`` in node i's namespace (or on loopback), stream their output prefixed with
+``[n<i>]``, wait for all (or the first failure, or the timeout), then kill what is left and
+delete the namespaces, also on an exception or SIGINT/SIGTERM/SIGHUP. A SIGKILLed tool
+cannot clean up: its torchruns get SIGTERM (PR_SET_PDEATHSIG) and the next run (or
 ``python -m tools.cluster clean``) deletes the namespaces of owners that no longer exist.
 """
 
@@ -93,20 +91,13 @@ def _kill_tree(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         if p.poll() is None:
             pids.add(p.pid)
         pids.update(descendants(p.pid))
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in list(pids):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pids.discard(pid)
-        deadline = time.monotonic() + wait_s
-        while pids and time.monotonic() < deadline:
-            for p in procs:
-                p.poll()  # reap our direct children
-            pids = {pid for pid in pids if _alive(pid)}
-            time.sleep(0.05)
-        if not pids:
-            break
+
+    def live() -> set[int]:
+        for p in procs:
+            p.poll()  # reap our direct children
+        return {pid for pid in pids if _alive(pid)}
+
+    netns.stop_processes(live, grace_s)
     for p in procs:
         try:
             p.wait(timeout=5)
