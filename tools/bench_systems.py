@@ -1,11 +1,11 @@
 """The configurations the benchmark compares, and the torch-built ones (DDP, FSDP2, AMSP).
 
-A key names a system and its settings (``sweep``: a topology's configuration space):
-``ddp``; FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False),
-``hsdp:<s>`` (shard groups of s ranks, replica all-reduce once per step); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
-``amsp:<plan>[/<switches off>][+g-<codec>][+w-<codec>][+noef]`` (``+``: compressed
-cross-node stages, amsp.set_compression grads= / weights= / error_feedback=False). Same model, seed, data, AdamW, all fp32. FSDP2 gets
-explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
+A key names a system and its settings (``sweep``: a topology's configuration space): ``ddp``;
+FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False), ``hsdp:<s>`` (shard
+groups of s ranks); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
+``amsp:<plan>[/<switches off>][+g-<codec>][+w-<codec>][+noef]`` (``+``: amsp.set_compression
+grads= / weights= / error_feedback=False). Same model, seed, data, AdamW, all fp32. FSDP2
+gets explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
 has no PREMUL_SUM).
 """
 
@@ -40,8 +40,6 @@ def sweep(world: int, rpn: int) -> list[str]:
     from amsp_dtensor.plan import enumerate_plans
 
     sizes = shard_sizes(world, rpn)
-    # (FSDP2 with reshard_after_forward = ranks per node stood in for ZeRO++ hpZ, which
-    # the sweep now runs for real)
     keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes]]
     keys += ["ds_z1", "ds_z2", "ds_z3", *[f"ds_hpz:{s}" for s in sizes if s <= rpn]]
     keys += [f"ds_mics:{s}" for s in sizes]
@@ -171,12 +169,9 @@ class System:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of params, grads and optimizer states this rank holds (unique storages)."""
         seen: set[int] = set()
-        opts = [getattr(self.optim, "optim", self.optim)]
-        return {"param": _bytes([p for p in self.model.parameters()], seen),
+        return {"param": _bytes(list(self.model.parameters()), seen),
                 "grad": _bytes([p.grad for p in self.model.parameters()], seen),
-                "optim": _bytes([v for o in opts for st in o.state.values()
-                                 for v in st.values() if torch.is_tensor(v) and v.numel() > 1],
-                                seen)}
+                "optim": _bytes(optim_states(getattr(self.optim, "optim", self.optim)), seen)}
 
     def reported_bytes(self) -> dict[str, int] | None:
         """The memory figures the system itself reports (peers), or None."""
@@ -187,16 +182,21 @@ class System:
 
 
 def _bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the storages of ``tensors`` (DTensors: their local shard) not in ``seen``."""
     total = 0
-    for t in tensors:
-        if not torch.is_tensor(t):
-            continue
+    for t in filter(torch.is_tensor, tensors):
         local = t.to_local() if hasattr(t, "to_local") else t
-        key = local.untyped_storage().data_ptr()
-        if local.numel() and key not in seen:
-            seen.add(key)
-            total += local.untyped_storage().nbytes()
+        storage = local.untyped_storage()
+        if local.numel() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
+
+
+def optim_states(optim) -> list:
+    """An optimizer's state tensors (not its one-element step counts)."""
+    return [v for st in optim.state.values() for v in st.values()
+            if torch.is_tensor(v) and v.numel() > 1]
 
 
 class DDPSystem(System):
@@ -246,7 +246,7 @@ class AMSPSystem(System):
 
         self.amsp = amsp
         splan = plan.as_plan()
-        for unit in amsp_units(model):
+        for unit in [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]:
             amsp.fully_shard(unit, mesh=mesh, plan=splan,
                              **({"reshard_after_forward": False} if isinstance(unit, list) else {}))
         amsp.fully_shard(model, mesh=mesh, plan=splan)
@@ -266,10 +266,6 @@ class AMSPSystem(System):
 
     def state_bytes(self) -> dict[str, int]:
         return dict(self.amsp.memory_by_state(self.model, self.optim))
-
-
-def amsp_units(model: nn.Module) -> list:
-    return [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]
 
 
 class Meshes:
