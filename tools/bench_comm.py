@@ -1,12 +1,11 @@
 """Every torch.distributed collective of a step, counted and optionally faked.
 
-The Python entry points every system's collectives go through are wrapped once per
-process, in ``torch.distributed`` and ``distributed_c10d`` (the deprecated forms forward
-to ``*_single`` there: nothing counts twice). Counting (``counter.recording()``): (op,
-group size, bytes, crosses nodes), bytes in the AMSP recorder's convention (the whole
-buffer). Modes for the overlap ablation: ``real``; ``noop`` (local copies of the same
-shapes: the step's time is its compute); ``serial`` (each collective waited when issued).
-The mode is process-wide: switch it only while nothing is in flight.
+The Python entry points are wrapped once per process, in ``torch.distributed`` and
+``distributed_c10d`` (the deprecated forms forward to ``*_single``: nothing counts twice).
+``counter.recording()`` counts (op, group size, bytes as the AMSP recorder counts them,
+crosses nodes). Modes (process-wide; switch only while nothing is in flight): ``real``;
+``noop``, local copies of the same shapes (the step's time is its compute); ``serial``,
+each collective waited when issued.
 """
 
 from __future__ import annotations
