@@ -43,9 +43,8 @@ class CommCounter:
         self.active = False
 
     def add(self, op: str, group, nbytes: int) -> None:
-        ranks = (dist.get_process_group_ranks(group) if group is not None
-                 else range(dist.get_world_size()))
-        ranks = list(ranks)
+        ranks = list(dist.get_process_group_ranks(group) if group is not None
+                     else range(dist.get_world_size()))
         if len(ranks) > 1:
             inter = len({r // self.ranks_per_node for r in ranks}) > 1
             with _lock:
@@ -73,10 +72,9 @@ def _noop(name: str, tensors: list) -> None:
     if name == "all_gather_single":
         out, inp = tensors[0], tensors[1].reshape(-1)
         out.view(-1).view(-1, inp.numel()).copy_(inp.unsqueeze(0).expand(out.numel() // inp.numel(), -1))
-    elif name == "reduce_scatter_single":
+    elif name == "reduce_scatter_single":  # a chunk of the right size; values are moot
         out, inp = tensors[0], tensors[1]
-        k = out.numel()
-        out.view(-1).copy_(inp.reshape(-1)[:k])  # a chunk of the right size; values are moot
+        out.view(-1).copy_(inp.reshape(-1)[:out.numel()])
 
 
 class _Done(dist.Work):

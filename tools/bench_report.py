@@ -76,7 +76,7 @@ def summarize(data: dict) -> list[dict]:
             "key": key, "family": family(key), "label": label(key, rpn),
             "compressed": amsp and "+" in key,
             "tps": statistics.median(tps), "tps_min": min(tps), "tps_max": max(tps),
-            "tps_reps": tps, "reps": len(tps), "steps": len(first["step_times"]),
+            "reps": len(tps), "steps": len(first["step_times"]),
             "step_s": tokens / statistics.median(tps),
             "peak": max(max(r["peak_bytes_per_rank"]) for r in reps),
             "state": max(sum(s.values()) for s in states) if states else None,
@@ -95,8 +95,7 @@ def loss_check(rows: list[dict]) -> dict:
     ref = next((r for r in rows if r["key"] == "ddp"), rows[0])
     worst, worst_key = 0.0, ref["key"]
     for r in rows:
-        n = min(len(r["losses"]), len(ref["losses"]))
-        r["loss_diff"] = max((abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n])),
+        r["loss_diff"] = max((abs(a - b) for a, b in zip(r["losses"], ref["losses"])),
                              default=0.0)
         if r["loss_diff"] > worst:
             worst, worst_key = r["loss_diff"], r["key"]
@@ -205,10 +204,9 @@ def chart(rows: list[dict], meta: dict, png: str) -> None:
                 else "--", label=f"{FAMILIES.get(fam, COMPRESSED_LABEL)} frontier")
     for r in rows:
         c = COLORS[r["family"]]
+        marker = ("^" if r["compressed"] else "o") if r["family"] == "amsp" else "s"
         ax.errorbar([r["peak"] / MB], [r["tps"]], yerr=[[r["tps"] - r["tps_min"]],
-                    [r["tps_max"] - r["tps"]]], fmt=("^" if r["compressed"] else "o")
-                    if r["family"] == "amsp" else "s",
-                    color=c, ms=4, capsize=2)
+                    [r["tps_max"] - r["tps"]]], fmt=marker, color=c, ms=4, capsize=2)
         ax.annotate(r["label"].replace("AMSP ", ""), (r["peak"] / MB, r["tps"]),
                     textcoords="offset points", xytext=(3, 3), fontsize=6, color=c)
     ax.set_xlabel("peak memory per rank, MB (malloc in use, max over ranks and repetitions)")
@@ -481,7 +479,6 @@ def overlap_rows(data: dict) -> list[dict]:
             noop, serial = per_rep(base, "noop"), per_rep(base, "serial")
         none = per_rep(base + "/none", "real") if base.startswith("amsp") else {}
         k = sorted(real)
-        first = next(r for r in res if r["config"] == key and r["mode"] == "real")
         blocked = [_maxed(r["waited_s_per_rank"], "in_step") for r in res
                    if r["config"] == key and r["mode"] == "real"]
         rows.append({
@@ -492,8 +489,7 @@ def overlap_rows(data: dict) -> list[dict]:
             "efficiency": _stats((serial[i] - real[i]) / (serial[i] - noop[i]) for i in k
                                  if i in noop and i in serial and serial[i] > noop[i]),
             "speedup": _stats(none[i] / real[i] for i in k if i in none) if none else None,
-            "recorded": _stats(blocked) if any(b is not None for b in blocked) else None,
-            "losses": first["losses"]})
+            "recorded": _stats(blocked) if any(b is not None for b in blocked) else None})
     return rows
 
 

@@ -17,6 +17,13 @@ import dataclasses
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import amsp_dtensor as amsp
+from amsp_dtensor.plan import ShardingPlan, enumerate_plans
 
 FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "ds_z1": "DeepSpeed ZeRO-1",
             "ds_z2": "DeepSpeed ZeRO-2", "ds_z3": "DeepSpeed ZeRO-3",
@@ -37,8 +44,6 @@ def shard_sizes(world: int, rpn: int) -> list[int]:
 
 def sweep(world: int, rpn: int) -> list[str]:
     """Every configuration of this topology: FSDP2's, the peers', then every AMSP plan."""
-    from amsp_dtensor.plan import enumerate_plans
-
     sizes = shard_sizes(world, rpn)
     keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes]]
     keys += ["ds_z1", "ds_z2", "ds_z3", *[f"ds_hpz:{s}" for s in sizes if s <= rpn]]
@@ -201,9 +206,6 @@ def optim_states(optim) -> list:
 
 class DDPSystem(System):
     def __init__(self, model, lr):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         self.model = DDP(model, forward_sync_buffers=False, gradient_as_bucket_view=True)
         # the Python hook runs the same all-reduce as the built-in one, where bench_comm sees it
         self.model.register_comm_hook(None, allreduce_hook)
@@ -215,8 +217,6 @@ class DDPSystem(System):
 
 class FSDPSystem(System):
     def __init__(self, model, lr, mesh, reshard_after_forward=True, hsdp=False):
-        from torch.distributed.fsdp import fully_shard
-
         self.hsdp = hsdp
         blocks = blocks_of(model)
         for block in blocks:
@@ -242,8 +242,6 @@ class AMSPSystem(System):
     the root. ``switches``: a key of OVERLAP (the four overlap switches)."""
 
     def __init__(self, model, lr, plan, mesh, switches: str = "all_on", compression=None):
-        import amsp_dtensor as amsp
-
         self.amsp = amsp
         splan = plan.as_plan()
         for unit in [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]:
@@ -275,8 +273,6 @@ class Meshes:
         self.world, self.rpn, self._cache = world, rpn, {}
 
     def get(self, shape: tuple[int, ...], names: tuple[str, ...]):
-        from torch.distributed.device_mesh import init_device_mesh
-
         if (shape, names) not in self._cache:
             self._cache[(shape, names)] = init_device_mesh("cpu", shape, mesh_dim_names=names)
         return self._cache[(shape, names)]
@@ -288,8 +284,6 @@ class Meshes:
         return self.get((self.world // shard, shard), ("replicate", "shard"))
 
     def amsp_mesh(self, plan):
-        import amsp_dtensor as amsp
-
         key = ("amsp", plan.name)
         if key not in self._cache:
             self._cache[key] = amsp.init_mesh(plan.as_plan(), ranks_per_node=self.rpn,
@@ -298,8 +292,6 @@ class Meshes:
 
 
 def resolve_plan(name: str, world: int, rpn: int):
-    from amsp_dtensor.plan import ShardingPlan
-
     return ShardingPlan.from_name(name).resolve(world, rpn)
 
 
