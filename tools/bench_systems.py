@@ -89,9 +89,6 @@ def label(key: str, rpn: int) -> str:
             "mfsdp_z3": "MFSDP ZeRO-3", "mfsdp_hfsdp": f"MFSDP hybrid shard {arg}"}[head]
 
 
-# ---------------------------------------------------------------- model and data
-
-
 def model_args(flavor: str, seq_len: int):
     # torchtitan's import needs triton; the project's CPU shims stub it
     from amsp_dtensor.titan import cpu_compat
@@ -133,9 +130,6 @@ def lm_loss(model, tokens, labels) -> torch.Tensor:
 
 def adamw(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
-
-
-# ---------------------------------------------------------------- systems
 
 
 class System:

@@ -5,7 +5,7 @@
     python -m tools.cluster run --no-netns --nodes 2 --ranks-per-node 2 -- -m <module> ...
     python -m tools.cluster clean     # delete namespaces left by a killed run
 
-Python use: ``run_cluster(ClusterSpec(...), ["-m", "module", ...]) -> exit code``.
+In Python: ``run_cluster(ClusterSpec(...), ["-m", "module", ...]) -> exit code``.
 """
 
 from .launch import ClusterSpec, run_cluster  # noqa: F401

@@ -43,7 +43,6 @@ class ClusterSpec:
     netns: bool = True  # False: N torchruns on the host loopback, no shaping
     timeout_s: float | None = None
     master_port: int = 29500
-    env: dict[str, str] = field(default_factory=dict)
     prefix_output: bool = True
 
 
@@ -144,13 +143,12 @@ def torchrun_argv(spec: ClusterSpec, node_rank: int, master_addr: str, port: int
 def run_cluster(spec: ClusterSpec, command: list[str], log=None) -> int:
     """Run `command` on the emulated cluster; return the worst exit code (124 = timeout)."""
     log = log or (lambda msg: print(f"[cluster] {msg}", file=sys.stderr, flush=True))
-    old_handlers = {}
 
     def on_signal(signum, frame):
         raise _Interrupted(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        old_handlers[sig] = signal.signal(sig, on_signal)
+    old_handlers = {sig: signal.signal(sig, on_signal)
+                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     net: netns.Network | None = None
     procs: list[subprocess.Popen] = []
@@ -171,12 +169,10 @@ def run_cluster(spec: ClusterSpec, command: list[str], log=None) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        env["GLOO_SOCKET_IFNAME"] = iface
-        env["TP_SOCKET_IFNAME"] = iface
-        env["AMSP_CLUSTER_NODES"] = str(spec.nodes)
-        env["AMSP_CLUSTER_RANKS_PER_NODE"] = str(spec.ranks_per_node)
-        env["AMSP_CLUSTER_LINK"] = net.describe() if net else "loopback (no shaping)"
-        env.update(spec.env)
+        env.update(GLOO_SOCKET_IFNAME=iface, TP_SOCKET_IFNAME=iface,
+                   AMSP_CLUSTER_NODES=str(spec.nodes),
+                   AMSP_CLUSTER_RANKS_PER_NODE=str(spec.ranks_per_node),
+                   AMSP_CLUSTER_LINK=net.describe() if net else "loopback (no shaping)")
         for i in range(spec.nodes):
             argv = torchrun_argv(spec, i, master_addr, port, command)
             if net is not None:
