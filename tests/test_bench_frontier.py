@@ -222,12 +222,14 @@ def test_from_json_renders_through_the_old_command_without_running(tmp_path, mon
     src = tmp_path / "frontier_2x2.json"
     src.write_text(json.dumps(data))
     doc = tmp_path / "benchmarks.md"
-    doc.write_text("<!-- overlap:begin -->\nO\n<!-- overlap:end -->\n")
+    doc.write_text("# Kept\n\nby hand\n\n<!-- overlap:begin -->\nO\n<!-- overlap:end -->\n")
     monkeypatch.setattr(B, "planner_data", lambda d: {})
     assert B.main(["frontier", "--from-json", str(src), "--doc", str(doc),
                    "--png-dir", str(tmp_path)]) == 0
     text = doc.read_text()
-    assert text.startswith(B.HEADER.rstrip("\n")) and "python -m tools.bench_frontier" in B.HEADER
+    assert text.startswith("# Kept\n\nby hand\n\n<!-- frontier-2x2:begin -->")  # its header
+    assert R.header_of("") == R.header_of("<!-- overlap:begin -->\n<!-- overlap:end -->") == \
+        "# Benchmarks"  # a new document's
     assert "flock x python -m tools.bench_frontier --nodes 2" in text
     assert text.rstrip().endswith("<!-- overlap:begin -->\nO\n<!-- overlap:end -->")
     assert (tmp_path / "frontier_2x2.png").stat().st_size > 0

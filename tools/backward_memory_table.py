@@ -3,11 +3,9 @@
 
     python tools/backward_memory_table.py [--micro-batches 2]
 
-TinyLlama (vocab 99), one step, every valid plan at world 4, fp32 and bf16; the first
-micro-batches under no_sync. "measured" is the largest census over all units' gradient
-hooks and all ranks; "error" compares it with the predicted peak; "max error" is the worst
-over every single hook and rank; "first at" is where the peak is first reached (unit,
-micro-batch); P is read off the P shards (amsp.memory_by_state).
+TinyLlama, one step, every valid plan at world 4, fp32 and bf16. "measured": the largest
+census over all units' gradient hooks and ranks; "max error": the worst single hook and
+rank; "first at": where the peak is first reached (unit, micro-batch).
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@
     flock /tmp/amsp_cpu.lock python -m tools.bench compression --nodes 2 --bw 1gbit,200mbit
     python -m tools.bench install-peers        # DeepSpeed, Megatron-FSDP under runs/peers/
 
-Results go to runs/bench/, the sections and charts to docs/benchmarks.md (other sections
-kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_frontier`` /
+Results go to runs/bench/, the sections and charts to docs/benchmarks.md (its header and
+other sections kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_frontier`` /
 ``tools.bench_overlap`` are the two subcommands under their older names.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import os
 import shlex
@@ -23,43 +23,46 @@ import tempfile
 import time
 from pathlib import Path
 
+from amsp_dtensor.plan.cost import AlphaBeta, choose_plan
+from amsp_dtensor.plan.cost.bandwidth import load_table
+from amsp_dtensor.plan.cost.models import from_torchtitan_args
+from amsp_dtensor.plan.cost.planner import NoPlanFits
+from tools import bench_peers
 from tools import bench_report as R
 from tools import bench_worker as W
+from tools.bench_systems import OVERLAP, model_args, sweep
+from tools.cluster import ClusterSpec, LinkSpec, run_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_ARGS = ("--dtype float32 --ops all_gather,reduce_scatter,all_reduce --rounds 1 "
                 "--max-bytes 4M --repeats 3 --target-ms 30")
 
 
-# ---------------------------------------------------------------- the planner
-
-
-def planner_choice(args, world: int, rpn: int, budget: float, bandwidth, reserve: float = 0.0):
+def planner_choice(args, world: int, rpn: int, budget: float, bandwidth):
     """(plan name, choose_plan's report) for this workload: fp32, gloo, the post-step
     all-gather overlapping the next forward, torchtitan's units (as the workers run AMSP).
     Raises NoPlanFits when nothing fits the budget."""
-    import dataclasses
-
-    from amsp_dtensor.plan.cost import choose_plan
-    from amsp_dtensor.plan.cost.models import from_torchtitan_args
-    from tools.bench_systems import model_args
-
     shape = dataclasses.replace(from_torchtitan_args(args.flavor, model_args(args.flavor, args.seq)),
                                 layout="titan")
     report = choose_plan(shape, memory_budget_bytes=budget, seq_len=args.seq,
                          micro_batch=args.micro_batch, micro_batches=args.micro_batches,
                          world_size=world, ranks_per_node=rpn, bandwidth=bandwidth,
                          mixed_precision="fp32", attention="flash", clip=False,
-                         reserve_bytes=int(reserve), backend="gloo", overlap_param_update=True)
+                         reserve_bytes=0, backend="gloo", overlap_param_update=True)
     return report.best.plan.name, report
+
+
+def _pick(args, world: int, rpn: int, budget: float, bandwidth) -> str | None:
+    """The planner's plan at ``budget``, None where nothing fits."""
+    try:
+        return planner_choice(args, world, rpn, budget, bandwidth)[0]
+    except NoPlanFits:
+        return None
 
 
 def time_models(rpn: int, profile: dict | None, link_rate: float | None) -> list:
     """[(name, description, model)]: this cluster's profile table when there is one, and
     alpha-beta at the shaped link rate (one rank's share of its node's link)."""
-    from amsp_dtensor.plan.cost import AlphaBeta
-    from amsp_dtensor.plan.cost.bandwidth import load_table
-
     models = []
     if profile:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -81,16 +84,13 @@ def possible_picks(args, world: int, rpn: int, models: list) -> set[str]:
     plans that fit changes only where the budget crosses a plan's estimate, so asking at
     each estimate finds every pick. The sweep never prunes these: the planner's slowdown
     compares its pick's median with the best plan's, over full repetitions."""
-    from amsp_dtensor.plan.cost.planner import NoPlanFits
-
     picks = set()
     for _, _, model in models:
         _, report = planner_choice(args, world, rpn, 2.0 ** 60, model)
         for budget in sorted({c.memory.total for c in report.candidates}):
-            try:
-                picks.add("amsp:" + planner_choice(args, world, rpn, budget, model)[0])
-            except NoPlanFits:  # rounding at the boundary: the next estimate asks again
-                continue
+            plan = _pick(args, world, rpn, budget, model)  # None: rounding at the boundary
+            if plan:
+                picks.add("amsp:" + plan)
     return picks
 
 
@@ -99,8 +99,6 @@ def planner_data(data: dict) -> dict:
     pick at every cap per time model (profile, alpha-beta). The reserve is 0: the peaks
     are measured above the in-use bytes before each build, so the runtime a reserve stands
     for is outside them."""
-    from amsp_dtensor.plan.cost.planner import NoPlanFits
-
     meta = data["meta"]
     args = argparse.Namespace(**meta["args"])
     world, rpn = meta["world"], meta["ranks_per_node"]
@@ -113,30 +111,18 @@ def planner_data(data: dict) -> dict:
     gaps = [r["peak"] - estimates[r["key"][5:]] for r in rows
             if r["family"] == "amsp" and r["key"][5:] in estimates]
     caps = R.select_caps(rows)
-    variants = []
-    for n, d, model in models:
-        picks = {}
-        for cap in caps:
-            try:
-                picks[repr(cap)] = planner_choice(args, world, rpn, cap, model)[0]
-            except NoPlanFits:
-                picks[repr(cap)] = None
-        variants.append({"name": n, "desc": d, "picks": picks})
+    variants = [{"name": n, "desc": d,
+                 "picks": {repr(cap): _pick(args, world, rpn, cap, model) for cap in caps}}
+                for n, d, model in models]
     note = (f"the median over the {len(gaps)} AMSP plans of measured peak - estimate is "
             f"{statistics.median(gaps) / R.MB:.1f} MB" if gaps else "no AMSP plan measured")
     return {"estimates": estimates, "reserve_bytes": 0.0, "reserve_note": note,
             "variants": variants}
 
 
-# ---------------------------------------------------------------- running
-
-
-def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None = None) -> dict:
+def run_sets(args, runs: list[str], out_dir: Path, link) -> dict:
     """Run `runs` on the cluster, one torchrun set per peer process set (MiCS needs another
     DeepSpeed), and merge their results; meta from the first set, wall time summed."""
-    from tools import bench_peers
-    from tools.cluster import ClusterSpec, run_cluster
-
     sets: dict[str, list[str]] = {}
     for run in runs:
         sets.setdefault(bench_peers.env_of(run), []).append(run)
@@ -144,8 +130,7 @@ def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None 
     for env, mine in sets.items():
         out = out_dir / f"result_{env}.json"
         spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=link,
-                           netns=not args.no_netns, timeout_s=args.timeout,
-                           env=extra_env or {})
+                           netns=not args.no_netns, timeout_s=args.timeout)
         rc = run_cluster(spec, ["-m", "tools.bench_worker", *W.workload_argv(args), "--env", env,
                                 "--runs", ",".join(mine), "--out", str(out)])
         if not out.exists():
@@ -168,10 +153,6 @@ def run_sets(args, runs: list[str], out_dir: Path, link, extra_env: dict | None 
 
 
 def frontier(args, argv: list[str]) -> int:
-    from tools import bench_peers
-    from tools.bench_systems import sweep
-    from tools.cluster import LinkSpec, run_cluster, ClusterSpec
-
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
     every = sweep(world, rpn)
     keys = [k for item in W.comma_list(args.configs) for k in (every if item == "all" else [item])]
@@ -220,26 +201,30 @@ def frontier(args, argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     print(f"wrote {out}")
-    return render_frontier(data, args)
+    return render("frontier", data, args)
 
 
-def render_frontier(data: dict, args) -> int:
-    meta = data["meta"]
-    data["planner"] = planner_data(data)
-    png = Path(args.png_dir) / f"frontier_{R.scale_tag(meta)}.png"
-    png.parent.mkdir(parents=True, exist_ok=True)
-    R.chart(R.summarize(data), meta, str(png))
+def render(what: str, data: dict, args) -> int:
+    """Put ``data`` (a result file of `what`) into --doc; a frontier also gets its chart."""
     doc = Path(args.doc)
-    sec = R.section(data, meta["command"], os.path.relpath(png, doc.parent))
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, sec))
-    print(sec[:sec.find("### Each system")])
+    if what == "overlap":
+        section = {"overlap": R.overlap_section(data["runs"], data["command"])}
+    elif what == "compression":
+        section = {"compression": R.compression_section(data["runs"], data["commands"])}
+    else:
+        data["planner"] = planner_data(data)
+        png = Path(args.png_dir) / f"frontier_{R.scale_tag(data['meta'])}.png"
+        png.parent.mkdir(parents=True, exist_ok=True)
+        R.chart(R.summarize(data), data["meta"], str(png))
+        sec = R.section(data, data["meta"]["command"], os.path.relpath(png, doc.parent))
+        print(sec[:sec.find("### Each system")])
+        section = {"frontier_section": sec}
+    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", **section))
     return 0
 
 
 def planned_at_hsdp(args, world: int, rpn: int, inter: float) -> str:
     """The planner's plan at the memory it estimates for HSDP (shard = a node)."""
-    from amsp_dtensor.plan.cost import AlphaBeta
-
     link = AlphaBeta(intra_bw=1e9, inter_bw=inter)
     _, probe = planner_choice(args, world, rpn, 2.0 ** 60, link)
     return planner_choice(args, world, rpn, probe.baselines["hsdp"].memory.total, link)[0]
@@ -251,8 +236,6 @@ COMPRESSIONS = ("+g-bf16", "+g-int8", "+g-int8+w-bf16")
 def compression(args, argv: list[str]) -> int:
     """Per link rate: the planned plan and two more, each exact and under COMPRESSIONS,
     interleaved in one run; merged into runs/bench/compression.json by cluster and rate."""
-    from tools.cluster import LinkSpec
-
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
     out = Path(args.out_json or REPO / "runs" / "bench" / "compression.json")
     saved = json.loads(out.read_text()) if out.exists() else {"commands": [], "runs": {}}
@@ -273,20 +256,10 @@ def compression(args, argv: list[str]) -> int:
         saved["commands"] = [c for c in saved["commands"] if c != command] + [command]
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(saved, indent=1))
-    return render_compression(saved, args)
-
-
-def render_compression(saved: dict, args) -> int:
-    doc = Path(args.doc)
-    sec = R.compression_section(saved["runs"], saved["commands"])
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, compression=sec))
-    return 0
+    return render("compression", saved, args)
 
 
 def overlap(args, argv: list[str]) -> int:
-    from tools.bench_systems import OVERLAP
-    from tools.cluster import LinkSpec
-
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
     command = ("flock /tmp/amsp_cpu.lock python -m tools.bench_overlap " + shlex.join(argv))
     runs_out = []
@@ -308,17 +281,11 @@ def overlap(args, argv: list[str]) -> int:
                             f"loopback; planned plan {planned}")
         runs_out.append(data)
         print(R.overlap_table(data))
+    saved = {"command": command, "runs": runs_out}
     out = Path(args.out_json or REPO / "runs" / "bench" / "overlap.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "runs": runs_out}, indent=1))
-    return render_overlap(runs_out, command, args)
-
-
-def render_overlap(runs: list[dict], command: str, args) -> int:
-    doc = Path(args.doc)
-    sec = R.overlap_section(runs, command)
-    doc.write_text(R.assemble(doc.read_text() if doc.exists() else "", HEADER, overlap=sec))
-    return 0
+    out.write_text(json.dumps(saved, indent=1))
+    return render("overlap", saved, args)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -351,16 +318,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if args.what == "install-peers":
-        from tools import bench_peers
-
         return bench_peers.install()
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        if args.what == "overlap":
-            return render_overlap(data["runs"], data["command"], args)
-        if args.what == "compression":
-            return render_compression(data, args)
-        return render_frontier(data, args)
+        return render(args.what, json.loads(Path(args.from_json).read_text()), args)
     if args.what in ("overlap", "compression"):
         args.warmup = 1 if "--warmup" not in argv else args.warmup
         args.plans = args.plans or ("p1-g1-os2" if args.what == "overlap"
@@ -368,9 +328,6 @@ def main(argv=None) -> int:
         return (overlap if args.what == "overlap" else compression)(args, argv[1:])
     return frontier(args, argv[1:])
 
-
-HEADER = (REPO / "tools" / "bench_header.md").read_text() if (
-    REPO / "tools" / "bench_header.md").exists() else "# Benchmarks\n"
 
 if __name__ == "__main__":
     sys.exit(main())

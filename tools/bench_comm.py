@@ -1,12 +1,11 @@
 """Every torch.distributed collective of a step, counted and optionally faked.
 
-The Python entry points every system's collectives go through are wrapped once per
-process, in ``torch.distributed`` and ``distributed_c10d`` (the deprecated forms forward
-to ``*_single`` there: nothing counts twice). Counting (``counter.recording()``): (op,
-group size, bytes, crosses nodes), bytes in the AMSP recorder's convention (the whole
-buffer). Modes for the overlap ablation: ``real``; ``noop`` (local copies of the same
-shapes: the step's time is its compute); ``serial`` (each collective waited when issued).
-The mode is process-wide: switch it only while nothing is in flight.
+The Python entry points are wrapped once per process, in ``torch.distributed`` and
+``distributed_c10d`` (the deprecated forms forward to ``*_single``: nothing counts twice).
+``counter.recording()`` counts (op, group size, bytes as the AMSP recorder counts them,
+crosses nodes). Modes (process-wide; switch only while nothing is in flight): ``real``;
+``noop``, local copies of the same shapes (the step's time is its compute); ``serial``,
+each collective waited when issued.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ class CommCounter:
         self.active = False
 
     def add(self, op: str, group, nbytes: int) -> None:
-        ranks = (dist.get_process_group_ranks(group) if group is not None
-                 else range(dist.get_world_size()))
-        ranks = list(ranks)
+        ranks = list(dist.get_process_group_ranks(group) if group is not None
+                     else range(dist.get_world_size()))
         if len(ranks) > 1:
             inter = len({r // self.ranks_per_node for r in ranks}) > 1
             with _lock:
@@ -74,10 +72,9 @@ def _noop(name: str, tensors: list) -> None:
     if name == "all_gather_single":
         out, inp = tensors[0], tensors[1].reshape(-1)
         out.view(-1).view(-1, inp.numel()).copy_(inp.unsqueeze(0).expand(out.numel() // inp.numel(), -1))
-    elif name == "reduce_scatter_single":
+    elif name == "reduce_scatter_single":  # a chunk of the right size; values are moot
         out, inp = tensors[0], tensors[1]
-        k = out.numel()
-        out.view(-1).copy_(inp.reshape(-1)[:k])  # a chunk of the right size; values are moot
+        out.view(-1).copy_(inp.reshape(-1)[:out.numel()])
 
 
 class _Done(dist.Work):

@@ -1,13 +1,10 @@
 """Peak CPU memory of one system's training steps, from glibc's allocator counters.
 
-CPU tensors have no allocator statistics, and RSS is useless when several systems run one
-after another in one process (freed memory stays mapped). glibc's ``mallinfo2()`` gives
-the bytes in use now (arenas + mmap, where big tensors live). It is sampled at every
-block's forward entry / exit and backward entry, at the output head's, after every
-backward and after the optimizer step (before ``zero_grad``), and inside ``every_op()``
-(repetition 0's warm-up steps) after every aten op: the high-water mark minus the in-use
-bytes before the build is the peak. Temporaries inside one op are missed, so this is a
-lower bound on the true peak, taken the same way for every system.
+CPU tensors have no allocator statistics and RSS keeps freed memory, so the peak is glibc's
+``mallinfo2()`` bytes in use (arenas + mmap) sampled at every block's forward entry / exit
+and backward entry, the output head's, after every backward and the optimizer step, and
+inside ``every_op()`` after every aten op, minus the bytes in use before the build: a lower
+bound (temporaries inside one op are missed), taken the same way for every system.
 """
 
 from __future__ import annotations

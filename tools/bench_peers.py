@@ -1,22 +1,15 @@
 """The peers: DeepSpeed ZeRO and Megatron-FSDP, through their public APIs, on CPU and gloo.
 
-``python -m tools.bench install-peers`` puts DeepSpeed 0.19.8 and Megatron-FSDP 0.6.1
-under runs/peers/ (pip --target --no-deps: torch stays the one installed), and DeepSpeed
-0.19.6 for MiCS, which 0.19.7 removed: MiCS runs in a process set of its own (``ENVS``).
-
-  ds_z1, ds_z2, ds_z3   DeepSpeed ZeRO stage 1 / 2 / 3 (stage 3 built under zero.Init)
-  ds_hpz:<s>            ZeRO-3 + ZeRO++ hpZ, zero_hpz_partition_size = s
-  ds_mics:<s>           MiCS (MiCS_Init), mics_shard_size = s
-  mfsdp_z3              Megatron-FSDP fully_shard, zero_dp_strategy 3, units = the blocks
-  mfsdp_hfsdp:<s>       its hybrid mode: shard groups of s ranks, optimizer states also
-                        sharded over the outer dimension (outer_dp_sharding_strategy 1)
-
-Settings as their documentation recommends for the size: DeepSpeed with overlap_comm and
-the model-size rules of its "auto" values (reduce bucket hidden^2, stage-3 prefetch
-bucket 0.9 hidden^2, persistence threshold 10 hidden); Megatron-FSDP with its defaults.
-The optimizer is our torch AdamW, as client optimizer; the initial weights are ours.
-Every change the CPU, gloo or this harness needs is in ``_cpu_fixes`` and ``_CudaShim``,
-each with the error it answers and the version it was seen on.
+``python -m tools.bench install-peers`` puts DeepSpeed 0.19.8 and Megatron-FSDP 0.6.1 under
+runs/peers/ (pip --target --no-deps: torch stays the one installed), and DeepSpeed 0.19.6
+for MiCS, which 0.19.7 removed (MiCS runs in a process set of its own, ``ENVS``). Keys:
+``ds_z1`` / ``ds_z2`` / ``ds_z3`` (ZeRO stage, 3 built under zero.Init), ``ds_hpz:<s>``
+(ZeRO++ hpZ partition size), ``ds_mics:<s>`` (MiCS shard size), ``mfsdp_z3`` and
+``mfsdp_hfsdp:<s>`` (its hybrid mode, optimizer states also sharded over the outer
+dimension). Settings as their documentation recommends for the size (DeepSpeed: overlap_comm
+and the model-size rules of its "auto" values); our torch AdamW as client optimizer, our
+initial weights. The CPU and gloo fixes are in ``_cpu_fixes`` and ``_CudaShim``, each with
+the error it answers and the version it was seen on.
 """
 
 from __future__ import annotations
@@ -78,9 +71,6 @@ def activate(env: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-# ---------------------------------------------------------------- CPU / gloo fixes
-
-
 def _cpu_fixes(deepspeed, mics: bool) -> None:
     """Run-time patches of DeepSpeed, idempotent; nothing else is changed."""
     import importlib
@@ -139,9 +129,6 @@ class _CudaShim:
     def restore(self) -> None:
         for obj, name, value in self._saved:
             setattr(obj, name, value)
-
-
-# ---------------------------------------------------------------- DeepSpeed
 
 
 class DeepSpeedSystem(S.System):
@@ -220,9 +207,7 @@ class DeepSpeedSystem(S.System):
             part = "grad" if "grad" in name else "optim" if "fp32" in name else None
             if part and ts:
                 out[part] += S._bytes(ts, seen)
-        inner = getattr(opt, "optimizer", opt)
-        out["optim"] += S._bytes([v for st in inner.state.values() for v in st.values()
-                                  if torch.is_tensor(v) and v.numel() > 1], seen)
+        out["optim"] += S._bytes(S.optim_states(getattr(opt, "optimizer", opt)), seen)
         return out
 
     def reported_bytes(self) -> dict[str, int]:
@@ -240,9 +225,6 @@ def _tensors(value) -> list:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     return []
-
-
-# ---------------------------------------------------------------- Megatron-FSDP
 
 
 class MegatronFSDPSystem(S.System):

@@ -1,13 +1,11 @@
 """The benchmark's numbers, charts and markdown, from the worker's results (no processes).
 
-Frontier (one section per scale): per configuration, tokens/s per repetition (tokens per
-step / mean timed step time), median and min-max; peak memory per rank (max over ranks and
-repetitions: a configuration fits a cap only if it fitted every time); then for every
-memory cap (every distinct measured peak) each system's fastest configuration under it,
-AMSP's best against the best of all others, and the planner's pick. Overlap ablation: per
-configuration, T_real, T_noop, T_serial; exposed = T_real - T_noop, efficiency =
-(T_serial - T_real) / (T_serial - T_noop), paired per repetition. ``assemble`` rebuilds
-docs/benchmarks.md from its header, every scale's section and the overlap section.
+Frontier (one section per scale): tokens/s per configuration (median, min-max over the
+repetitions), peak memory per rank (max over ranks and repetitions), and for every memory
+cap (every distinct peak) each system's fastest configuration under it, AMSP's best against
+the best of all others, and the planner's pick. Overlap ablation: exposed = T_real - T_noop,
+efficiency = (T_serial - T_real) / (T_serial - T_noop), paired per repetition. Compression:
+each setting against its plan's exact run. ``assemble`` rebuilds docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,9 +27,11 @@ TARGET_FLOOR, TARGET_WIN, PLANNER_TOL, PLANNER_SHARE = 0.95, 1.5, 0.10, 0.8
 LOSS_TOL = 1e-5
 OVERLAP = ("<!-- overlap:begin -->", "<!-- overlap:end -->")
 COMPRESSION = ("<!-- compression:begin -->", "<!-- compression:end -->")
-# one section per scale and link rate: "frontier-2x2" (1gbit) or "frontier-2x2-200mbit"
-_SECTION = re.compile(r"<!-- frontier-(\d+)x(\d+)(-\w+|):begin -->.*?<!-- frontier-\1x\2\3:end -->",
-                      re.S)
+# a generated section: one per scale and link rate ("frontier-2x2" at 1gbit or unshaped,
+# "frontier-2x2-200mbit"), the overlap ablation and the compression runs
+_SECTION = re.compile(r"<!-- (frontier-(\d+)x(\d+)(-\w+|)|overlap|compression):begin -->.*?"
+                      r"<!-- \1:end -->", re.S)
+DEFAULT_HEADER = "# Benchmarks"  # a new document's; an existing one keeps its own
 
 
 def scale_tag(meta: dict) -> str:
@@ -48,6 +48,11 @@ def _mb(x) -> str:
 def _maxed(per_rank, part):
     vals = [w[part] for w in per_rank or [] if w]
     return max(vals) if vals else None
+
+
+def _table(head: str, rows: list[str]) -> str:
+    """A markdown table: its header line, the rule under it, then ``rows``."""
+    return "\n".join([head, "|" + "---|" * (head.count("|") - 1), *rows])
 
 
 def summarize(data: dict) -> list[dict]:
@@ -71,7 +76,7 @@ def summarize(data: dict) -> list[dict]:
             "key": key, "family": family(key), "label": label(key, rpn),
             "compressed": amsp and "+" in key,
             "tps": statistics.median(tps), "tps_min": min(tps), "tps_max": max(tps),
-            "tps_reps": tps, "reps": len(tps), "steps": len(first["step_times"]),
+            "reps": len(tps), "steps": len(first["step_times"]),
             "step_s": tokens / statistics.median(tps),
             "peak": max(max(r["peak_bytes_per_rank"]) for r in reps),
             "state": max(sum(s.values()) for s in states) if states else None,
@@ -90,8 +95,7 @@ def loss_check(rows: list[dict]) -> dict:
     ref = next((r for r in rows if r["key"] == "ddp"), rows[0])
     worst, worst_key = 0.0, ref["key"]
     for r in rows:
-        n = min(len(r["losses"]), len(ref["losses"]))
-        r["loss_diff"] = max((abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n])),
+        r["loss_diff"] = max((abs(a - b) for a, b in zip(r["losses"], ref["losses"])),
                              default=0.0)
         if r["loss_diff"] > worst:
             worst, worst_key = r["loss_diff"], r["key"]
@@ -99,9 +103,6 @@ def loss_check(rows: list[dict]) -> dict:
     return {"reference": ref["key"], "losses": ref["losses"], "max_diff": worst,
             "worst": worst_key, "ok": worst <= LOSS_TOL, "peers_max": max(peers, default=None),
             "over": [(r["label"], r["loss_diff"]) for r in rows if r["loss_diff"] > LOSS_TOL]}
-
-
-# ---------------------------------------------------------------- the frontier
 
 
 def select_caps(rows: list[dict]) -> list[float]:
@@ -121,16 +122,20 @@ def best_under(rows: list[dict], cap: float, families=tuple(FAMILIES)) -> dict |
     return max(fits, key=lambda r: r["tps"]) if fits else None
 
 
+def _ratio(amsp: dict | None, base: dict | None) -> float | None:
+    """AMSP's tokens/s over the base's (None: no AMSP plan fits; inf: nothing else fits)."""
+    return None if amsp is None else math.inf if base is None else amsp["tps"] / base["tps"]
+
+
 def frontier(rows: list[dict], caps: list[float]) -> list[dict]:
     """Per cap: each family's fastest fitting configuration, the best of all others, AMSP's
-    best and AMSP / best other (None: no AMSP plan fits; inf: nothing else fits)."""
+    best and their ratio."""
     out = []
     for cap in caps:
         per = {f: best_under(rows, cap, (f,)) for f in FAMILIES}
-        base, amsp = best_under(rows, cap, OTHERS), per["amsp"]
-        ratio = None if amsp is None else math.inf if base is None else amsp["tps"] / base["tps"]
-        out.append({"cap": cap, "per_family": per, "baseline": base, "amsp": amsp,
-                    "ratio": ratio})
+        base = best_under(rows, cap, OTHERS)
+        out.append({"cap": cap, "per_family": per, "baseline": base, "amsp": per["amsp"],
+                    "ratio": _ratio(per["amsp"], base)})
     return out
 
 
@@ -196,10 +201,9 @@ def chart(rows: list[dict], meta: dict, png: str) -> None:
                 else "--", label=f"{FAMILIES.get(fam, COMPRESSED_LABEL)} frontier")
     for r in rows:
         c = COLORS[r["family"]]
+        marker = ("^" if r["compressed"] else "o") if r["family"] == "amsp" else "s"
         ax.errorbar([r["peak"] / MB], [r["tps"]], yerr=[[r["tps"] - r["tps_min"]],
-                    [r["tps_max"] - r["tps"]]], fmt=("^" if r["compressed"] else "o")
-                    if r["family"] == "amsp" else "s",
-                    color=c, ms=4, capsize=2)
+                    [r["tps_max"] - r["tps"]]], fmt=marker, color=c, ms=4, capsize=2)
         ax.annotate(r["label"].replace("AMSP ", ""), (r["peak"] / MB, r["tps"]),
                     textcoords="offset points", xytext=(3, 3), fontsize=6, color=c)
     ax.set_xlabel("peak memory per rank, MB (malloc in use, max over ranks and repetitions)")
@@ -215,48 +219,43 @@ def chart(rows: list[dict], meta: dict, png: str) -> None:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------- frontier markdown
-
-
 def _ratio_s(x) -> str:
     if x is None:
         return "no AMSP plan fits"
     return "only AMSP fits" if math.isinf(x) else f"{x:.2f}x"
 
 
+def _best(r: dict | None) -> str:
+    """Two cells: a configuration's label and tokens/s, or '- | -' where none fits."""
+    return f"{r['label']} | {r['tps']:.0f}" if r else "- | -"
+
+
 def frontier_table(fr: list[dict], prows: list[dict]) -> str:
-    lines = ["| cap MB/rank | best other system under the cap | tokens/s | AMSP's best | "
-             "tokens/s | AMSP / best of all others | planner's pick | its rank among AMSP "
-             "plans that fit | slowdown vs best AMSP |", "|" + "---|" * 9]
+    lines = []
     for f, p in zip(fr, prows):
-        b, a = f["baseline"], f["amsp"]
         rank, slow = ((f"{p['rank']} of {p['of']}", f"{p['slowdown'] * 100:.0f}%")
                       if p["rank"] is not None else (p["note"], "n/a"))
-        lines.append(f"| {f['cap'] / MB:.1f} | " + (f"{b['label']} | {b['tps']:.0f}" if b else
-                     "- | -") + " | " + (f"{a['label']} | {a['tps']:.0f}" if a else "- | -")
-                     + f" | {_ratio_s(f['ratio'])} | {p['pick'] or 'none fits'} | {rank} | "
-                     f"{slow} |")
-    return "\n".join(lines)
+        lines.append(f"| {f['cap'] / MB:.1f} | {_best(f['baseline'])} | {_best(f['amsp'])} | "
+                     f"{_ratio_s(f['ratio'])} | {p['pick'] or 'none fits'} | {rank} | {slow} |")
+    return _table("| cap MB/rank | best other system under the cap | tokens/s | AMSP's best | "
+                  "tokens/s | AMSP / best of all others | planner's pick | its rank among AMSP "
+                  "plans that fit | slowdown vs best AMSP |", lines)
 
 
 def compressed_table(fr: list[dict], compressed: list[dict], loss: dict) -> str:
     """Per cap: the best other system, AMSP's best exact plan (before) and AMSP's best with
     the compressed configurations too (after), each over the best other."""
-    lines = ["| cap MB/rank | best other system | tokens/s | AMSP exact: best | tokens/s | "
-             "/ best other (before) | AMSP with compressed: best | tokens/s | / best other "
-             "(after) |", "|" + "---|" * 9]
+    lines = []
     for f in fr:
-        b, a = f["baseline"], f["amsp"]
-        fits = [r for r in compressed if r["peak"] <= f["cap"]]
-        c = max(fits, key=lambda r: r["tps"]) if fits else None
+        a, c = f["amsp"], best_under(compressed, f["cap"])
         after = a if c is None or (a is not None and a["tps"] >= c["tps"]) else c
-        ratio = None if after is None else math.inf if b is None else after["tps"] / b["tps"]
-        lines.append(f"| {f['cap'] / MB:.1f} | " + (f"{b['label']} | {b['tps']:.0f}" if b else
-                     "- | -") + " | " + (f"{a['label']} | {a['tps']:.0f}" if a else "- | -")
-                     + f" | {_ratio_s(f['ratio'])} | " + (f"{after['label']} | {after['tps']:.0f}"
-                     if after else "- | -") + f" | {_ratio_s(ratio)} |")
+        lines.append(f"| {f['cap'] / MB:.1f} | {_best(f['baseline'])} | {_best(a)} | "
+                     f"{_ratio_s(f['ratio'])} | {_best(after)} | "
+                     f"{_ratio_s(_ratio(after, f['baseline']))} |")
     gaps = ", ".join(f"{r['label']} {r['loss_diff']:.1e}" for r in compressed)
-    return "\n".join(lines) + (
+    return _table("| cap MB/rank | best other system | tokens/s | AMSP exact: best | tokens/s | "
+                  "/ best other (before) | AMSP with compressed: best | tokens/s | / best other "
+                  "(after) |", lines) + (
         "\n\nThe caps are the exact configurations' peaks; a compressed configuration counts "
         "at every cap it fits. Compression is lossy, so its rows are kept out of the loss "
         f"agreement above; their largest |loss - {loss['reference']}'s| over the common "
@@ -264,8 +263,7 @@ def compressed_table(fr: list[dict], compressed: list[dict], loss: dict) -> str:
 
 
 def family_table(fr: list[dict]) -> str:
-    lines = ["| cap MB/rank | " + " | ".join(FAMILIES.values()) + " |",
-             "|" + "---|" * (len(FAMILIES) + 1)]
+    lines = []
     for f in fr:
         cells = []
         for fam in FAMILIES:
@@ -273,14 +271,11 @@ def family_table(fr: list[dict]) -> str:
             cells.append("-" if r is None else f"{r['tps']:.0f} ({r['label']})".replace(
                 "AMSP ", "").replace("FSDP2 ", "").replace("MFSDP ", "").replace("DS ", ""))
         lines.append(f"| {f['cap'] / MB:.1f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _table("| cap MB/rank | " + " | ".join(FAMILIES.values()) + " |", lines)
 
 
 def config_table(rows: list[dict], estimates: dict) -> str:
-    lines = ["| configuration | tokens/s median (min-max) | reps x timed steps | step s | "
-             "peak MB/rank | planner estimate MB | states MB/rank (P/G/OS) | inter-node "
-             "MB/step | intra-node MB/step | AMSP waited s/step | loss, last step | max abs "
-             "loss diff |", "|" + "---|" * 12]
+    lines = []
     for r in sorted(rows, key=lambda r: r["peak"]):
         parts = r["state_parts"] or {}
         est = estimates.get(r["key"].split(":", 1)[1]) if r["family"] == "amsp" else None
@@ -293,13 +288,15 @@ def config_table(rows: list[dict], estimates: dict) -> str:
             f"{_mb(parts.get('grad'))}/{_mb(parts.get('optim'))}) | {_mb(r['inter'])} | "
             f"{_mb(r['intra'])} | {waited} | "
             f"{r['losses'][-1]:.5f} | {r.get('loss_diff', 0.0):.1e} |")
-    return "\n".join(lines)
+    return _table("| configuration | tokens/s median (min-max) | reps x timed steps | step s | "
+                  "peak MB/rank | planner estimate MB | states MB/rank (P/G/OS) | inter-node "
+                  "MB/step | intra-node MB/step | AMSP waited s/step | loss, last step | max "
+                  "abs loss diff |", lines)
 
 
 def memory_table(rows: list[dict]) -> str:
     """One configuration per peer: its own memory report beside the sampler's peak."""
-    lines = ["| configuration | sampler's peak MB/rank | states MB/rank (P/G/OS), from its "
-             "own tensors | what it reports itself |", "|---|---|---|---|"]
+    lines = []
     for fam in PEERS:
         r = next((r for r in rows if r["family"] == fam), None)
         if r is None:
@@ -312,7 +309,8 @@ def memory_table(rows: list[dict]) -> str:
         lines.append(f"| {r['label']} | {r['peak'] / MB:.1f} | {_mb(r['state'])} ("
                      f"{_mb(p.get('param'))}/{_mb(p.get('grad'))}/{_mb(p.get('optim'))}) | "
                      f"{said} |")
-    return "\n".join(lines)
+    return _table("| configuration | sampler's peak MB/rank | states MB/rank (P/G/OS), from its "
+                  "own tensors | what it reports itself |", lines)
 
 
 def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> list[str]:
@@ -334,10 +332,10 @@ def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> 
                          f"{f['cap'] / MB:.1f} MB (" + ("no AMSP plan fits" if f["ratio"] is None
                          else f"{f['ratio']:.2f}x against {f['baseline']['label']}") + ")"
                          for f in below) + ".")
-    best = max((f for f in finite if not math.isinf(f["ratio"])), key=lambda f: f["ratio"],
-               default=None)
+    both_fit = [f for f in finite if not math.isinf(f["ratio"])]
+    best = max(both_fit, key=lambda f: f["ratio"], default=None)
     if best is not None:
-        wins = [f for f in finite if not math.isinf(f["ratio"]) and f["ratio"] >= TARGET_WIN]
+        wins = [f for f in both_fit if f["ratio"] >= TARGET_WIN]
         lines.append(f"AMSP >= {TARGET_WIN}x the best of all others at one cap or more: "
                      + (f"met at {len(wins)} cap(s)" if wins else
                         f"MISSED by {TARGET_WIN - best['ratio']:.2f}x")
@@ -438,9 +436,6 @@ def section(data: dict, command: str, png_name: str) -> str:
     return "\n".join(parts)
 
 
-# ---------------------------------------------------------------- overlap ablation
-
-
 def _stats(values) -> dict:
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
@@ -475,7 +470,6 @@ def overlap_rows(data: dict) -> list[dict]:
             noop, serial = per_rep(base, "noop"), per_rep(base, "serial")
         none = per_rep(base + "/none", "real") if base.startswith("amsp") else {}
         k = sorted(real)
-        first = next(r for r in res if r["config"] == key and r["mode"] == "real")
         blocked = [_maxed(r["waited_s_per_rank"], "in_step") for r in res
                    if r["config"] == key and r["mode"] == "real"]
         rows.append({
@@ -486,22 +480,21 @@ def overlap_rows(data: dict) -> list[dict]:
             "efficiency": _stats((serial[i] - real[i]) / (serial[i] - noop[i]) for i in k
                                  if i in noop and i in serial and serial[i] > noop[i]),
             "speedup": _stats(none[i] / real[i] for i in k if i in none) if none else None,
-            "recorded": _stats(blocked) if any(b is not None for b in blocked) else None,
-            "losses": first["losses"]})
+            "recorded": _stats(blocked) if any(b is not None for b in blocked) else None})
     return rows
 
 
 def overlap_table(data: dict) -> str:
-    lines = ["| plan / system: configuration | T_real s | T_noop s | T_serial s | exposed s "
-             "(T_real - T_noop) | overlap efficiency | speed-up vs none | recorded exposed s |",
-             "|" + "---|" * 8]
+    lines = []
     for r in overlap_rows(data):
         mark = " *" if r["shared"] else ""
         lines.append(f"| {r['label']} | {_fmt(r['real'])} | {_fmt(r['noop'])}{mark} | "
                      f"{_fmt(r['serial'])}{mark} | {_fmt(r['exposed'])} | "
                      f"{_fmt(r['efficiency'], 2)} | {_fmt(r['speedup'], 2)} | "
                      f"{_fmt(r['recorded'])} |")
-    return "\n".join(lines)
+    return _table("| plan / system: configuration | T_real s | T_noop s | T_serial s | exposed "
+                  "s (T_real - T_noop) | overlap efficiency | speed-up vs none | recorded "
+                  "exposed s |", lines)
 
 
 def overlap_section(runs: list[dict], command: str) -> str:
@@ -563,12 +556,12 @@ def compression_section(runs: dict, commands: list[str]) -> str:
              "- Per plan: exact, then `amsp.set_compression` settings (`+g-CODEC`: grads=, "
              "`+w-CODEC`: weights=; error feedback on), all configurations interleaved in each "
              "repetition; each rebuilt from the same seed, then warm-up and timed steps (below); "
-             "the first configuration runs twice in each "
-             "repetition and the first result is dropped (it warms the process). Step-time "
-             "ratio = setting / exact of the same repetition, median (min-max) over "
-             "repetitions. Cross-node MB: wire bytes rank 0 sends across nodes in one step "
-             "(the recorder's events, ring factor x buffer, as the cost model counts). Loss "
-             "gap: (loss - exact loss) / exact loss after the last timed step (repetition 0).",
+             "the first configuration runs twice in each repetition and the first result is "
+             "dropped (it warms the process). Step-time ratio = setting / exact of the same "
+             "repetition, median (min-max) over repetitions. Cross-node MB: wire bytes rank 0 "
+             "sends across nodes in one step (the recorder's events, ring factor x buffer, as "
+             "the cost model counts). Loss gap: (loss - exact loss) / exact loss after the last "
+             "timed step (repetition 0).",
              "- The planned plan is the planner's pick at the memory it estimates for HSDP "
              "(shard = a node), told the shaped link rate, as in the overlap ablation.", ""]
     for name, data in sorted(runs.items(), key=lambda kv: (kv[1]["meta"]["world"], kv[0])):
@@ -579,43 +572,45 @@ def compression_section(runs: dict, commands: list[str]) -> str:
                   f"{a['warmup']} warm-up + {a['steps']} timed step(s) (M = {a['micro_batches']} "
                   f"micro-batches of seq {a['seq']}). Run wall time {meta['wall_s']:.0f} s; "
                   f"1-minute load average {meta['loadavg'][0]:.1f} at its start, "
-                  f"{meta['loadavg'][1]:.1f} at its end.", "",
-                  "| plan | setting | step s | step time / exact | cross-node wire MB / step "
-                  "| wire bytes / exact | loss gap vs exact |", "|" + "---|" * 7]
+                  f"{meta['loadavg'][1]:.1f} at its end.", ""]
+        lines = []
         for r in compression_rows(data):
             plan = r["key"].split("+")[0][5:]
             br = "n/a" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3f}"
             gap = "n/a" if r["loss_gap"] is None else f"{r['loss_gap']:+.1e}"
-            parts.append(f"| {plan}{' (planned)' if plan == meta['planned'] else ''} | "
+            lines.append(f"| {plan}{' (planned)' if plan == meta['planned'] else ''} | "
                          f"{r['setting']} | {_fmt(r['step'])} | {_fmt(r['ratio'], 2)} | "
                          f"{_mb(r['inter'])} | {br} | {gap} |")
-        parts.append("")
+        parts += [_table("| plan | setting | step s | step time / exact | cross-node wire MB / "
+                         "step | wire bytes / exact | loss gap vs exact |", lines), ""]
     parts.append(COMPRESSION[1])
     return "\n".join(parts)
 
 
-# ---------------------------------------------------------------- the document
+def sections_of(text: str) -> dict[str, re.Match]:
+    return {m.group(1): m for m in _SECTION.finditer(text or "")}
 
 
-def sections_of(text: str) -> dict[tuple[int, int, str], str]:
-    return {(int(m.group(1)), int(m.group(2)), m.group(3)): m.group(0)
-            for m in _SECTION.finditer(text)}
+def _place(m: re.Match) -> tuple:
+    """Frontier sections first, fewest ranks first; then the overlap, then compression."""
+    if m.group(2) is None:
+        return (1 if m.group(1) == "overlap" else 2,)
+    nodes, rpn = int(m.group(2)), int(m.group(3))
+    return (0, nodes * rpn, nodes, rpn, m.group(4))
 
 
-def overlap_of(text: str, marks=OVERLAP) -> str | None:
-    i = text.find(marks[0])
-    j = text.find(marks[1], i + len(marks[0])) if i >= 0 else -1
-    return text[i:j + len(marks[1])] if i >= 0 and j >= 0 else None
+def header_of(text: str) -> str:
+    """The document's text before its first generated section (DEFAULT_HEADER if none)."""
+    m = _SECTION.search(text)
+    return (text[:m.start()] if m else text).rstrip("\n") or DEFAULT_HEADER
 
 
-def assemble(old_text: str, header: str, frontier_section: str | None = None,
+def assemble(old_text: str, header: str | None = None, frontier_section: str | None = None,
              overlap: str | None = None, compression: str | None = None) -> str:
-    """The whole document: header, the frontier sections (the new one replacing its scale,
-    fewest ranks first), the overlap and compression sections (each the new one, else the
-    old one verbatim)."""
+    """The whole document: the header (by default the old document's own), then every
+    generated section of the old document, each replaced by the new one of its name."""
     sections = sections_of(old_text)
-    sections.update(sections_of(frontier_section or ""))
-    ordered = [sections[k] for k in sorted(sections, key=lambda k: (k[0] * k[1], k))]
-    kept = [x for x in (overlap or overlap_of(old_text),
-                        compression or overlap_of(old_text, COMPRESSION)) if x]
-    return "\n\n".join([header.rstrip("\n"), *ordered, *kept]) + "\n"
+    for new in (frontier_section, overlap, compression):
+        sections.update(sections_of(new))
+    ordered = [m.group(0) for m in sorted(sections.values(), key=_place)]
+    return "\n\n".join([(header or header_of(old_text)).rstrip("\n"), *ordered]) + "\n"

@@ -1,11 +1,11 @@
 """The configurations the benchmark compares, and the torch-built ones (DDP, FSDP2, AMSP).
 
-A key names a system and its settings (``sweep``: a topology's configuration space):
-``ddp``; FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False),
-``hsdp:<s>`` (shard groups of s ranks, replica all-reduce once per step); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
-``amsp:<plan>[/<switches off>][+g-<codec>][+w-<codec>][+noef]`` (``+``: compressed
-cross-node stages, amsp.set_compression grads= / weights= / error_feedback=False). Same model, seed, data, AdamW, all fp32. FSDP2 gets
-explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
+A key names a system and its settings (``sweep``: a topology's configuration space): ``ddp``;
+FSDP2 ``zero3`` / ``zero3_keep`` (reshard_after_forward True / False), ``hsdp:<s>`` (shard
+groups of s ranks); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
+``amsp:<plan>[/<switches off>][+g-<codec>][+w-<codec>][+noef]`` (``+``: amsp.set_compression
+grads= / weights= / error_feedback=False). Same model, seed, data, AdamW, all fp32. FSDP2
+gets explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
 has no PREMUL_SUM).
 """
 
@@ -17,6 +17,13 @@ import dataclasses
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import amsp_dtensor as amsp
+from amsp_dtensor.plan import ShardingPlan, enumerate_plans
 
 FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "ds_z1": "DeepSpeed ZeRO-1",
             "ds_z2": "DeepSpeed ZeRO-2", "ds_z3": "DeepSpeed ZeRO-3",
@@ -37,11 +44,7 @@ def shard_sizes(world: int, rpn: int) -> list[int]:
 
 def sweep(world: int, rpn: int) -> list[str]:
     """Every configuration of this topology: FSDP2's, the peers', then every AMSP plan."""
-    from amsp_dtensor.plan import enumerate_plans
-
     sizes = shard_sizes(world, rpn)
-    # (FSDP2 with reshard_after_forward = ranks per node stood in for ZeRO++ hpZ, which
-    # the sweep now runs for real)
     keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes]]
     keys += ["ds_z1", "ds_z2", "ds_z3", *[f"ds_hpz:{s}" for s in sizes if s <= rpn]]
     keys += [f"ds_mics:{s}" for s in sizes]
@@ -84,9 +87,6 @@ def label(key: str, rpn: int) -> str:
             "ds_z1": "DS ZeRO-1", "ds_z2": "DS ZeRO-2", "ds_z3": "DS ZeRO-3",
             "ds_hpz": f"DS hpZ {arg}", "ds_mics": f"DS MiCS shard {arg}",
             "mfsdp_z3": "MFSDP ZeRO-3", "mfsdp_hfsdp": f"MFSDP hybrid shard {arg}"}[head]
-
-
-# ---------------------------------------------------------------- model and data
 
 
 def model_args(flavor: str, seq_len: int):
@@ -132,9 +132,6 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
 
 
-# ---------------------------------------------------------------- systems
-
-
 class System:
     """One training setup; ``train_step`` = M micro-batches + the optimizer step."""
 
@@ -171,12 +168,9 @@ class System:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of params, grads and optimizer states this rank holds (unique storages)."""
         seen: set[int] = set()
-        opts = [getattr(self.optim, "optim", self.optim)]
-        return {"param": _bytes([p for p in self.model.parameters()], seen),
+        return {"param": _bytes(list(self.model.parameters()), seen),
                 "grad": _bytes([p.grad for p in self.model.parameters()], seen),
-                "optim": _bytes([v for o in opts for st in o.state.values()
-                                 for v in st.values() if torch.is_tensor(v) and v.numel() > 1],
-                                seen)}
+                "optim": _bytes(optim_states(getattr(self.optim, "optim", self.optim)), seen)}
 
     def reported_bytes(self) -> dict[str, int] | None:
         """The memory figures the system itself reports (peers), or None."""
@@ -187,23 +181,25 @@ class System:
 
 
 def _bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the storages of ``tensors`` (DTensors: their local shard) not in ``seen``."""
     total = 0
-    for t in tensors:
-        if not torch.is_tensor(t):
-            continue
+    for t in filter(torch.is_tensor, tensors):
         local = t.to_local() if hasattr(t, "to_local") else t
-        key = local.untyped_storage().data_ptr()
-        if local.numel() and key not in seen:
-            seen.add(key)
-            total += local.untyped_storage().nbytes()
+        storage = local.untyped_storage()
+        if local.numel() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
+
+
+def optim_states(optim) -> list:
+    """An optimizer's state tensors (not its one-element step counts)."""
+    return [v for st in optim.state.values() for v in st.values()
+            if torch.is_tensor(v) and v.numel() > 1]
 
 
 class DDPSystem(System):
     def __init__(self, model, lr):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         self.model = DDP(model, forward_sync_buffers=False, gradient_as_bucket_view=True)
         # the Python hook runs the same all-reduce as the built-in one, where bench_comm sees it
         self.model.register_comm_hook(None, allreduce_hook)
@@ -215,8 +211,6 @@ class DDPSystem(System):
 
 class FSDPSystem(System):
     def __init__(self, model, lr, mesh, reshard_after_forward=True, hsdp=False):
-        from torch.distributed.fsdp import fully_shard
-
         self.hsdp = hsdp
         blocks = blocks_of(model)
         for block in blocks:
@@ -242,11 +236,9 @@ class AMSPSystem(System):
     the root. ``switches``: a key of OVERLAP (the four overlap switches)."""
 
     def __init__(self, model, lr, plan, mesh, switches: str = "all_on", compression=None):
-        import amsp_dtensor as amsp
-
         self.amsp = amsp
         splan = plan.as_plan()
-        for unit in amsp_units(model):
+        for unit in [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]:
             amsp.fully_shard(unit, mesh=mesh, plan=splan,
                              **({"reshard_after_forward": False} if isinstance(unit, list) else {}))
         amsp.fully_shard(model, mesh=mesh, plan=splan)
@@ -268,10 +260,6 @@ class AMSPSystem(System):
         return dict(self.amsp.memory_by_state(self.model, self.optim))
 
 
-def amsp_units(model: nn.Module) -> list:
-    return [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]
-
-
 class Meshes:
     """Each process group built once per process (gloo groups are slow to create)."""
 
@@ -279,8 +267,6 @@ class Meshes:
         self.world, self.rpn, self._cache = world, rpn, {}
 
     def get(self, shape: tuple[int, ...], names: tuple[str, ...]):
-        from torch.distributed.device_mesh import init_device_mesh
-
         if (shape, names) not in self._cache:
             self._cache[(shape, names)] = init_device_mesh("cpu", shape, mesh_dim_names=names)
         return self._cache[(shape, names)]
@@ -292,8 +278,6 @@ class Meshes:
         return self.get((self.world // shard, shard), ("replicate", "shard"))
 
     def amsp_mesh(self, plan):
-        import amsp_dtensor as amsp
-
         key = ("amsp", plan.name)
         if key not in self._cache:
             self._cache[key] = amsp.init_mesh(plan.as_plan(), ranks_per_node=self.rpn,
@@ -302,8 +286,6 @@ class Meshes:
 
 
 def resolve_plan(name: str, world: int, rpn: int):
-    from amsp_dtensor.plan import ShardingPlan
-
     return ShardingPlan.from_name(name).resolve(world, rpn)
 
 

@@ -2,10 +2,9 @@
 
 For rep in reps, for each run ``KEY[@MODE]`` (interleaved): rebuild from the same seed,
 ``warmup`` untimed steps (``--warmup-later`` after repetition 0), then the timed steps in
-comm mode MODE. A step's time is the interval between step ends, so what a step leaves in
-flight is paid where it is waited, as in training; in noop mode an untimed barrier starts
-each step. Repetition 0 samples memory after every op in its warm-up steps and records
-the collectives of its last step.
+comm mode MODE, each the interval between step ends (in noop mode an untimed barrier starts
+each step). Repetition 0 samples memory after every op in its warm-up steps and records the
+collectives of its last step.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tools import bench_comm, bench_memory, bench_systems as S
 
 @dataclasses.dataclass
 class Result:
@@ -81,11 +81,9 @@ def dominated(results: list[Result], margin: float, tokens: int, keep=frozenset(
     another of the same family peaks at no more memory and runs >= (1 + margin) x its
     tokens/s; never one in `keep`. Times and peaks are reduced over ranks, so every rank
     reaches the same list."""
-    from tools.bench_systems import family
-
     if margin <= 0:
         return []
-    facts = [(r.config, family(r.config), max(r.peak_bytes_per_rank),
+    facts = [(r.config, S.family(r.config), max(r.peak_bytes_per_rank),
               tokens * len(r.step_times) / sum(r.step_times)) for r in results if r.step_times]
     return [k for k, fam, peak, tps in facts if k not in keep
             and any(f == fam and o != k and p <= peak and t >= (1 + margin) * tps
@@ -94,20 +92,12 @@ def dominated(results: list[Result], margin: float, tokens: int, keep=frozenset(
 
 class Worker:
     def __init__(self, args):
-        from tools import bench_comm, bench_systems as S
-
-        self.args, self.S = args, S
+        self.args = args
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.rpn = int(os.environ["LOCAL_WORLD_SIZE"])
         self.counter = bench_comm.install(self.rpn)
-        self.comm = bench_comm
         self.model_args = S.model_args(args.flavor, args.seq)
         self.meshes = S.Meshes(self.world, self.rpn)
-
-    def batches(self, step: int):
-        a = self.args
-        return self.S.make_batches(step, self.world, self.rank, a.micro_batches, a.micro_batch,
-                                   a.seq, self.model_args.vocab_size)
 
     def build_groups(self, key: str) -> None:
         """Create the device meshes `key` uses, so that all exist before any measurement."""
@@ -117,16 +107,15 @@ class Worker:
         elif head == "hsdp":
             self.meshes.hsdp_mesh(int(arg))
         elif head == "amsp":
-            self.meshes.amsp_mesh(self.S.resolve_plan(self.S.amsp_key(arg)[0], self.world, self.rpn))
+            self.meshes.amsp_mesh(S.resolve_plan(S.amsp_key(arg)[0], self.world, self.rpn))
 
     def measure(self, key: str, mode: str, rep: int, steps: int) -> Result:
-        from tools import bench_memory
-
-        a, S = self.args, self.S
+        a = self.args
         record = rep == 0 and mode == "real"
         warmup = a.warmup if rep == 0 or a.warmup_later is None else a.warmup_later
         total = warmup + steps
-        data = [self.batches(s) for s in range(total)]
+        data = [S.make_batches(s, self.world, self.rank, a.micro_batches, a.micro_batch, a.seq,
+                               self.model_args.vocab_size) for s in range(total)]
         gc.collect()
         t_build = time.time()
         mem = bench_memory.PeakMemory()
@@ -141,12 +130,12 @@ class Worker:
 
         ends, starts, losses, comm, waited = [], [], [], None, None
         dist.barrier()
-        self.comm.set_mode(mode)
+        bench_comm.set_mode(mode)
         try:
             for s in range(total):
                 last = s == total - 1
                 if mode == "noop":
-                    with self.comm.mode("real"):
+                    with bench_comm.mode("real"):
                         dist.barrier()
                 starts.append(time.perf_counter() if mode == "noop" or not ends else ends[-1])
                 rec_cm = system.amsp.record_comms() if amsp and last and mode == "real" else None
@@ -170,7 +159,7 @@ class Worker:
                         comm["recorder_wire"] = wire_by_locality(rec.events)
                 mem.sample()
         finally:
-            self.comm.set_mode("real")
+            bench_comm.set_mode("real")
         mem.detach()
         times = [ends[i] - starts[i] for i in range(warmup, total)]
         t = torch.tensor(times, dtype=torch.float64)
@@ -203,11 +192,6 @@ def wire_by_locality(events) -> dict[str, float]:
     return out
 
 
-def machine_facts() -> str:
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"torch {torch.__version__}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
@@ -235,7 +219,9 @@ def main(argv=None) -> int:
     results: list[Result] = []
     pruned: list[str] | None = None
     t_start, load_start = time.time(), os.getloadavg()[0]
-    n_params = sum(p.numel() for p in w.S.build_model(w.model_args, args.seed).parameters())
+    n_params = sum(p.numel() for p in S.build_model(w.model_args, args.seed).parameters())
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, " \
+              f"torch {torch.__version__}"
 
     def write(done: bool) -> None:
         """Rank 0's results so far (rewritten after every run, so that a run stopped by the
@@ -245,7 +231,7 @@ def main(argv=None) -> int:
                 "model": {"flavor": args.flavor, "params": n_params},
                 "tokens_per_step": tokens, "pruned": pruned or [], "kept": sorted(keep),
                 "setup": setup, "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
-                "machine": machine_facts(), "wall_s": time.time() - t_start, "complete": done,
+                "machine": machine, "wall_s": time.time() - t_start, "complete": done,
                 "loadavg": [load_start, os.getloadavg()[0]]}
         with open(args.out + ".tmp", "w") as f:
             json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f,

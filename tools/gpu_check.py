@@ -2,26 +2,16 @@
 CUDA stream order and the step lifecycle, in one command.
 
     python tools/gpu_check.py                 # CUDA if available, else the CPU part
-    python tools/gpu_check.py --device cpu
     python tools/gpu_check.py --mutant drop-copy-in-wait   # must FAIL check 1 on CUDA
 
-Checks, for a plan whose post-step all-gather exists (s_os > s_p), with
-overlap_param_update=True, so each unit's new P rows are unpacked in its forward pre-hook:
-
-1. FSDP2's all-gather input of every unit holds the P shard as it is after the unpack,
-   even when the unpack is delayed on the compute stream (``torch.cuda._sleep`` in each
-   unit's forward pre-hook, after FSDP2's root pre-forward): the copy-in stream must
-   wait for it (engine/streams.py, rule 4).
-   ``--mutant drop-copy-in-wait`` removes that wait, and this check must then fail
-   (on CUDA; on CPU there are no streams to reorder, so the mutant changes nothing).
-2. The P shard holds the fp32 masters' new values after the landing (the fake backend
-   moves no data, so the engine's own all-gather is given every rank's rows = ours).
-3. On CUDA, the gradient path ran on the engine's grad stream and the synced G is
-   readable on the compute stream after backward (engine/streams.py, rules 1 to 3).
-4. The lifecycle: after backward every unit is SYNCED or REDUCING with its last gradient
-   stage in flight (root.py), SYNCED once those complete, UPDATED after landing.
-Units are cut as torchtitan cuts them (embeddings, blocks, [norm, output] as one unit).
-Exit 0 and "gpu_check: OK" when all hold; one line per failure otherwise.
+For a plan with a post-step all-gather (s_os > s_p) and overlap_param_update=True, units cut
+as torchtitan cuts them: 1. every unit's FSDP2 all-gather input is the P shard after the
+unpack, even with the unpack delayed on the compute stream (the copy-in stream waits for
+it, engine/streams.py rule 4; the mutant removes that wait); 2. the P shard holds the fp32
+masters' new values after the landing; 3. on CUDA the gradient path ran on the grad stream
+and the synced G is readable after backward (rules 1 to 3); 4. after backward every unit is
+SYNCED or REDUCING, SYNCED once those complete, UPDATED after landing. Exit 0 and
+"gpu_check: OK" when all hold; one line per failure otherwise.
 """
 
 from __future__ import annotations

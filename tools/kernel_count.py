@@ -1,18 +1,14 @@
 """Kernel-launching aten ops of one training step: AMSP at the ZeRO-3 schedule against
 FSDP2's fully_shard, on the same model.
 
-    python -m tools.kernel_count                      # blocks of 5 and of 26 tensors
     python -m tools.kernel_count --tensors 5,26 --blocks 4 --world 4
 
-Both run on 4 gloo ranks with one copy of everything spread over all of them: FSDP2
-(fully_shard per block and on the root, torch.optim.AdamW over its DTensor parameters)
-and AMSP with p = g = os = world (amsp.fully_shard, AMSPOptimizer over AdamW). The model
-is ``--blocks`` blocks of N bias-free ``dim x dim`` linears (N tensors per block). One
-warm-up step, then one step (forward, backward, optimizer step, zero_grad) is counted on
-rank 0 with a TorchDispatchMode: every aten or c10d op that reaches the dispatcher below
-autograd, except those that launch no kernel (views, ``empty*`` allocations, ``detach``,
-``set_``/``resize_``, profiler ranges). A DTensor op counts once (its local op launches one kernel). Prints
-both counts, their ratio, and the top ops where they differ.
+Both on gloo ranks, fully sharded (FSDP2 per block and on the root with torch AdamW; AMSP
+with p = g = os = world and AMSPOptimizer over AdamW), on ``--blocks`` blocks of N bias-free
+``dim x dim`` linears. After one warm-up step, one step is counted on rank 0 with a
+TorchDispatchMode: every op below autograd except those that launch no kernel (views,
+``empty*``, ``detach``, ``set_`` / ``resize_``, profiler ranges); a DTensor op counts once.
+Prints both counts, their ratio, and the top ops where they differ.
 """
 
 from __future__ import annotations
@@ -54,26 +50,15 @@ def counting_mode():
     return CountOps()
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, tensors: int):
-        super().__init__()
-        self.linears = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(tensors))
+def make_model(dim: int, tensors: int, blocks: int) -> nn.Sequential:
+    """``blocks`` blocks of ``tensors`` bias-free ``dim x dim`` linears, each with a ReLU."""
+    def block() -> nn.Sequential:
+        layers = []
+        for _ in range(tensors):
+            layers += [nn.Linear(dim, dim, bias=False), nn.ReLU()]
+        return nn.Sequential(*layers)
 
-    def forward(self, x):
-        for linear in self.linears:
-            x = torch.relu(linear(x))
-        return x
-
-
-class Model(nn.Module):
-    def __init__(self, dim: int, tensors: int, blocks: int):
-        super().__init__()
-        self.layers = nn.ModuleList(Block(dim, tensors) for _ in range(blocks))
-
-    def forward(self, x):
-        for block in self.layers:
-            x = block(x)
-        return x
+    return nn.Sequential(*(block() for _ in range(blocks)))
 
 
 def _step(model, optim, x):
@@ -86,13 +71,13 @@ def _count(rank, world, system, dim, tensors, blocks, foreach):
     import amsp_dtensor as amsp
 
     torch.manual_seed(0)
-    model = Model(dim, tensors, blocks)
+    model = make_model(dim, tensors, blocks)
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers:
+        for block in model:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
@@ -100,7 +85,7 @@ def _count(rank, world, system, dim, tensors, blocks, foreach):
         plan = amsp.ShardingPlan(world, world, world)
         mesh = amsp.init_mesh(plan, ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"]),
                               device_type="cpu")
-        for block in model.layers:
+        for block in model:
             amsp.fully_shard(block, mesh=mesh, plan=plan)
         amsp.fully_shard(model, mesh=mesh, plan=plan)
         optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-3, foreach=foreach)

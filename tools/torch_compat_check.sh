@@ -3,19 +3,12 @@
 #
 #   tools/torch_compat_check.sh VERSION [--install-only]
 #
-# builds /tmp/torchcheck-VERSION (python -m venv; pip install torch==VERSION, then this
-# checkout editable with its test and bench extras, torch held at VERSION by a constraint
-# so the package install can neither replace nor upgrade it), then runs tests/test_compat.py,
-# tests/test_engine.py, tests/test_titan.py and tests/test_checkpoint.py one module at a
-# time and the README's main job (4 ranks, recipes/debug_cpu.toml), and prints each
-# module's tally and the main job's loss at steps 1, 10 and 20. A rerun reuses the venv
-# (only the editable install is redone). Exit status: 0 when every module passed and the
-# main job finished, 1 otherwise. The results for the supported releases are in
-# docs/torch_versions.md. CI installs torch 2.13.0 only (.ci/run); this is the check for
-# the rest of the range in pyproject.toml.
-#
-# PyPI has CPU-only wheels for no release but the one the README installs from the
-# machine's wheel folder; other releases come as CUDA builds (a few GB), which run on CPU.
+# builds (or reuses) /tmp/torchcheck-VERSION with torch==VERSION and this checkout editable
+# (test and bench extras, torch held at VERSION), runs tests/test_compat.py, test_engine.py,
+# test_titan.py and test_checkpoint.py one module at a time and the README's main job, and
+# prints each module's tally and the job's loss at steps 1, 10 and 20. Exit 0 when all pass.
+# Results in docs/torch_versions.md (CI checks torch 2.13.0 only). Releases other than the
+# README's come as CUDA wheels (a few GB) from PyPI, which run on CPU.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then

@@ -5,13 +5,8 @@
     python -m tools.cluster run --no-netns --nodes 2 --ranks-per-node 2 -- -m <module> ...
     python -m tools.cluster clean     # delete namespaces left by a killed run
 
-Python use: ``run_cluster(ClusterSpec(...), ["-m", "module", ...]) -> exit code``.
+In Python: ``run_cluster(ClusterSpec(...), ["-m", "module", ...]) -> exit code``.
 """
 
-from .launch import ClusterSpec, run_cluster
-from .netns import LinkSpec, Network, clean_stale, netns_available, our_namespaces, PREFIX
-
-__all__ = [
-    "ClusterSpec", "run_cluster", "LinkSpec", "Network", "clean_stale", "netns_available",
-    "our_namespaces", "PREFIX",
-]
+from .launch import ClusterSpec, run_cluster  # noqa: F401
+from .netns import LinkSpec, Network, clean_stale, netns_available, our_namespaces  # noqa: F401

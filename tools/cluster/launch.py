@@ -1,12 +1,10 @@
 """Launch one torchrun per emulated node, wait, and always tear everything down.
 
-``run_cluster`` is the whole life cycle: clean stale namespaces of dead owners, build the
-network, start ``torchrun --nnodes N --node_rank i`` in node i's namespace (or on loopback
-with ``netns=False``), stream their output with a ``[n<i>]`` prefix, wait for all (or the
-first failure, or the timeout), then kill what is left and delete the namespaces. Teardown
-runs on normal exit, on an exception, on timeout and on SIGINT/SIGTERM/SIGHUP (the handlers
-turn the signal into an exception so the ``finally`` runs). A SIGKILLed tool cannot clean
-up; its torchruns get SIGTERM through PR_SET_PDEATHSIG and the next run (or
+``run_cluster``: clean stale namespaces, build the network, start ``torchrun --nnodes N
+--node_rank i`` in node i's namespace (or on loopback), stream their output prefixed with
+``[n<i>]``, wait for all (or the first failure, or the timeout), then kill what is left and
+delete the namespaces, also on an exception or SIGINT/SIGTERM/SIGHUP. A SIGKILLed tool
+cannot clean up: its torchruns get SIGTERM (PR_SET_PDEATHSIG) and the next run (or
 ``python -m tools.cluster clean``) deletes the namespaces of owners that no longer exist.
 """
 
@@ -45,7 +43,6 @@ class ClusterSpec:
     netns: bool = True  # False: N torchruns on the host loopback, no shaping
     timeout_s: float | None = None
     master_port: int = 29500
-    env: dict[str, str] = field(default_factory=dict)
     prefix_output: bool = True
 
 
@@ -93,20 +90,13 @@ def _kill_tree(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         if p.poll() is None:
             pids.add(p.pid)
         pids.update(descendants(p.pid))
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in list(pids):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pids.discard(pid)
-        deadline = time.monotonic() + wait_s
-        while pids and time.monotonic() < deadline:
-            for p in procs:
-                p.poll()  # reap our direct children
-            pids = {pid for pid in pids if _alive(pid)}
-            time.sleep(0.05)
-        if not pids:
-            break
+
+    def live() -> set[int]:
+        for p in procs:
+            p.poll()  # reap our direct children
+        return {pid for pid in pids if _alive(pid)}
+
+    netns.stop_processes(live, grace_s)
     for p in procs:
         try:
             p.wait(timeout=5)
@@ -153,13 +143,12 @@ def torchrun_argv(spec: ClusterSpec, node_rank: int, master_addr: str, port: int
 def run_cluster(spec: ClusterSpec, command: list[str], log=None) -> int:
     """Run `command` on the emulated cluster; return the worst exit code (124 = timeout)."""
     log = log or (lambda msg: print(f"[cluster] {msg}", file=sys.stderr, flush=True))
-    old_handlers = {}
 
     def on_signal(signum, frame):
         raise _Interrupted(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        old_handlers[sig] = signal.signal(sig, on_signal)
+    old_handlers = {sig: signal.signal(sig, on_signal)
+                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     net: netns.Network | None = None
     procs: list[subprocess.Popen] = []
@@ -180,12 +169,10 @@ def run_cluster(spec: ClusterSpec, command: list[str], log=None) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        env["GLOO_SOCKET_IFNAME"] = iface
-        env["TP_SOCKET_IFNAME"] = iface
-        env["AMSP_CLUSTER_NODES"] = str(spec.nodes)
-        env["AMSP_CLUSTER_RANKS_PER_NODE"] = str(spec.ranks_per_node)
-        env["AMSP_CLUSTER_LINK"] = net.describe() if net else "loopback (no shaping)"
-        env.update(spec.env)
+        env.update(GLOO_SOCKET_IFNAME=iface, TP_SOCKET_IFNAME=iface,
+                   AMSP_CLUSTER_NODES=str(spec.nodes),
+                   AMSP_CLUSTER_RANKS_PER_NODE=str(spec.ranks_per_node),
+                   AMSP_CLUSTER_LINK=net.describe() if net else "loopback (no shaping)")
         for i in range(spec.nodes):
             argv = torchrun_argv(spec, i, master_addr, port, command)
             if net is not None:

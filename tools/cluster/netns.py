@@ -1,23 +1,15 @@
 """Emulated nodes: network namespaces joined through a switch namespace, links shaped by tc.
 
-Topology for N nodes (all names carry ``PREFIX + owner pid`` so stale ones can be found):
-
-    node namespace <tag>n<i>            switch namespace <tag>sw
-      lo      (ranks of this node talk here)
+    node namespace <tag>-n<i>                  switch namespace <tag>-sw
+      lo (ranks of this node talk here, unshaped)
       eth0 198.18.0.<i+1>/24  <--veth-->  p<i>  --  br0 (Linux bridge)
 
-Every veth is created *inside* the switch namespace with its peer moved straight into the
-node namespace, so the root namespace never holds one of our links: deleting the two
-namespaces removes everything. Addresses come from the benchmarking range 198.18.0.0/15
-(RFC 2544) and exist only inside these namespaces.
-
-Shaping: a qdisc on the egress of both ends of every veth (node eth0 -> switch, switch
-p<i> -> node). A packet from node a to node b crosses eth0(a) and p(b), so it sees the rate
-twice in series (throughput = bw). Preferred qdisc: netem ``rate <bw> delay <delay/2>``
-(one-way delay = delay). This machine's kernel (6.18, no modules dir) has no sch_netem, only
-tbf/htb/pfifo, so the fallback is ``tbf rate <bw>`` and the delay is NOT emulated (a warning
-says so, and ``Network.describe`` / AMSP_CLUSTER_LINK record it). Traffic between two ranks of one node never reaches eth0: the kernel routes
-a namespace's own addresses through its loopback (local routing table), so it is unshaped.
+Names carry ``PREFIX + owner pid`` so that stale ones can be found. Every veth is made inside
+the switch namespace with its peer moved straight into the node's, so deleting the
+namespaces removes everything. Both ends of every veth are shaped: a packet from node a to
+node b crosses eth0(a) and p(b), so it sees the rate twice in series (throughput = bw). The
+qdisc is netem ``rate <bw> delay <delay/2>``, or, on a kernel without sch_netem (this one),
+``tbf rate <bw>`` with no delay (a warning and ``Network.describe`` say so).
 """
 
 from __future__ import annotations
@@ -63,13 +55,10 @@ def netns_available() -> str | None:
     return None
 
 
-def list_namespaces() -> list[str]:
-    out = sh("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
 def our_namespaces() -> list[str]:
-    return [n for n in list_namespaces() if n.startswith(PREFIX)]
+    out = sh("ip", "netns", "list", check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(PREFIX)]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -82,40 +71,39 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def namespace_pids(ns: str) -> list[int]:
-    out = sh("ip", "netns", "pids", ns, check=False).stdout
-    return [int(x) for x in out.split() if x.isdigit()]
-
-
-def kill_namespace_processes(ns: str, grace_s: float = 3.0) -> None:
-    """SIGTERM then SIGKILL every process whose network namespace is `ns`."""
-    pids = namespace_pids(ns)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+def stop_processes(live, grace_s: float) -> None:
+    """SIGTERM the pids ``live()`` returns, SIGKILL those still there after ``grace_s``;
+    returns when ``live()`` is empty, or 5 s after the SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in live():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            pids = namespace_pids(ns)
-            if not pids:
+            if not live():
                 return
             time.sleep(0.05)
 
 
 def delete_namespace(ns: str) -> None:
-    kill_namespace_processes(ns)
+    """Stop every process in network namespace `ns`, then delete it."""
+    def pids() -> list[int]:
+        out = sh("ip", "netns", "pids", ns, check=False).stdout
+        return [int(x) for x in out.split() if x.isdigit()]
+
+    stop_processes(pids, grace_s=3.0)
     sh("ip", "netns", "del", ns, check=False)
 
 
-def clean_stale(all_owners: bool = False) -> list[str]:
-    """Delete our namespaces whose owner process is gone (or all of ours). Returns names."""
+def clean_stale() -> list[str]:
+    """Delete our namespaces whose owner process is gone. Returns their names."""
     removed = []
     for ns in our_namespaces():
         m = _NAME_RE.match(ns)
         owner = int(m.group(1)) if m else -1
-        if all_owners or owner <= 0 or not _pid_alive(owner):
+        if owner <= 0 or not _pid_alive(owner):
             delete_namespace(ns)
             removed.append(ns)
     return removed
@@ -153,7 +141,7 @@ class LinkSpec:
 
 @dataclass
 class Network:
-    """N node namespaces + one switch namespace. Use as a context manager."""
+    """N node namespaces + one switch namespace: ``create()``, then ``destroy()``."""
 
     nodes: int
     link: LinkSpec = field(default_factory=LinkSpec)
@@ -243,9 +231,3 @@ class Network:
             f"tbf rate {self.link.bw} (no netem in this kernel: delay not emulated)")
             + " on both ends of every link"
         )
-
-    def __enter__(self) -> "Network":
-        return self.create()
-
-    def __exit__(self, *exc) -> None:
-        self.destroy()

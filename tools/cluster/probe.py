@@ -1,13 +1,10 @@
 """Worker for checking the emulated cluster; run it under ``python -m tools.cluster run``.
 
-Modes:
-  bw     (default) point-to-point bandwidth rank 0 <-> rank 1 (same node) and rank 0 <-> rank
-         R (other node) over gloo, plus the bytes that crossed this node's eth0 meanwhile
-         (from /sys/class/net/eth0/statistics): shows same-node traffic stays on loopback.
-  check  init the process group, all-reduce the ranks, assert the sum, exit 0.
-  fail   like check, then rank --fail-rank exits with --exit-code (a failing run).
-  sleep  sleep forever without importing torch (for teardown tests: kill the tool).
-Prints one JSON line ``PROBE {...}`` from rank 0.
+Modes: ``bw`` (default), gloo bandwidth rank 0 -> a rank of its node and of another node,
+and the bytes this node's eth0 saw meanwhile (same-node traffic stays on loopback);
+``check``, all-reduce the ranks and assert the sum; ``fail``, check, then rank --fail-rank
+exits with --exit-code; ``sleep``, sleep forever without importing torch (teardown tests).
+Rank 0 prints one JSON line ``PROBE {...}``.
 """
 
 from __future__ import annotations
