@@ -84,3 +84,57 @@ def test_a_world_that_times_out_keeps_the_cases_it_finished():
         assert f"case {name!r} did not finish on rank(s) [0, 1] of 2" in report, report
         assert "did not finish within 10s" in report, report
         assert "rank 0: 'stuck', rank 1: 'stuck'" in report, report
+
+
+def _env_value(rank, world):
+    return os.environ.get("AMSP_TEST_HANDED_OVER")
+
+
+def test_a_rank_sees_the_environment_of_the_call(monkeypatch):
+    """Ranks are forked from a server started earlier (see multiproc's note): each one
+    still gets the caller's environment as it is now."""
+    monkeypatch.setenv("AMSP_TEST_HANDED_OVER", "yes")
+    assert run_cases({"env": _env_value}, 2, 1, timeout=60).get("env") == ["yes", "yes"]
+
+
+_ORPHAN_WORLD = """
+import os, sys, time
+from amsp_dtensor.testing.multiproc import run_cases
+
+def write_pid_and_wait(rank, world, folder):
+    open(os.path.join(folder, f"rank{rank}"), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    run_cases({"wait": write_pid_and_wait}, 2, 1, sys.argv[1], timeout=120)
+"""
+
+
+def test_ranks_end_with_a_killed_test_process(tmp_path):
+    """The test process SIGKILLed mid-case (a CI timeout): its ranks do not live on."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphan_world.py"
+    script.write_text(_ORPHAN_WORLD)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.time() + 60
+    while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
+        assert time.time() < deadline and parent.poll() is None, "the ranks never started"
+        time.sleep(0.2)
+    pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 20
+    while any(_alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -28,10 +28,12 @@ rank's exception raised in the caller.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import sys
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Hashable, Mapping
@@ -47,25 +49,44 @@ from ..compat import destroy_process_group_at_exit
 # an interpreter and import torch and amsp_dtensor afresh: on 2 cores a 4-rank world took
 # 8 s and an 8-rank one 13 s before its first case, for every world of every test module.
 # The ranks are forked instead from multiprocessing's fork server, which imports these
-# modules once per test process and has started no thread (so forking it is safe). As
-# with spawn, a rank sees none of the parent's in-memory changes (module state,
-# monkeypatches). The server's environment and sys.path are those of its own start, so
-# the parent's current ones are handed to each rank explicitly.
+# modules once per test process and runs no work of its own (forking it is safe: the only
+# thread it starts, OpenBLAS's pool, is stopped by OpenBLAS around a fork). As with spawn,
+# a rank sees none of the parent's in-memory changes (module state, monkeypatches), and
+# multiprocessing hands over sys.path and the working directory. Three things differ,
+# and are handled here:
+# - the environment is the server's, from its own start: the parent's current one is
+#   restored in the rank before the case functions are unpickled (which imports their
+#   modules); what a C library read at the server's import stays as it was then;
+# - the rank's parent is the server, so torch's parent-death signal would never fire if
+#   the test process died: each rank watches the test process and ends with it;
+# - every rank shares the server's hash seed and memory layout (under torchrun each rank
+#   has its own): AMSP_TEST_START_METHOD=spawn runs the worlds spawned, as before.
 _PRELOAD = ["torch", "torch.distributed", "amsp_dtensor", "amsp_dtensor.testing.multiproc"]
 
 
 def _start_ranks(worker, args: tuple, world_size: int):
-    """``worker(rank, *args)`` in ``world_size`` processes forked from the fork server."""
-    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts
-    return mp.start_processes(_as_parent, args=(worker, dict(os.environ), list(sys.path), args),
-                              nprocs=world_size, join=False, start_method="forkserver")
+    """``worker(rank, *args)`` in ``world_size`` processes (see the note above)."""
+    method = os.environ.get("AMSP_TEST_START_METHOD", "forkserver")
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts
+    return mp.start_processes(_as_parent, args=(dict(os.environ), pickle.dumps((worker, args))),
+                              nprocs=world_size, join=False, start_method=method)
 
 
-def _as_parent(rank, worker, environ: dict, path: list, args: tuple) -> None:
+def _as_parent(rank, environ: dict, worker_and_args: bytes) -> None:
     os.environ.clear()
     os.environ.update(environ)
-    sys.path[:] = path
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_end_with, args=(parent.sentinel,), daemon=True).start()
+    worker, args = pickle.loads(worker_and_args)
     worker(rank, *args)
+
+
+def _end_with(parent_sentinel) -> None:
+    """Kill this rank once the process that started it is gone."""
+    multiprocessing.connection.wait([parent_sentinel])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _setup_rank(rank, ranks_per_node):
@@ -111,14 +132,21 @@ def _join(ctx, timeout: float) -> str | None:
     try:
         while not ctx.join(timeout=5):
             if time.time() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                for p in ctx.processes:
-                    p.join()
+                _kill(ctx)
                 return f"the world did not finish within {timeout:g}s and was killed"
     except ProcessException as e:  # a rank died (signal, os._exit): join killed the rest
         return f"a rank process died: {e}"
+    except BaseException:  # interrupted here (Ctrl-C, a test timeout): no rank outlives it
+        _kill(ctx)
+        raise
     return None
+
+
+def _kill(ctx) -> None:
+    for p in ctx.processes:
+        p.kill()
+    for p in ctx.processes:
+        p.join()
 
 
 def run_on_ranks(fn, world_size: int, ranks_per_node: int, *args, timeout: float = 600):
@@ -309,11 +337,12 @@ def run_cases(cases: Mapping[Hashable, Callable], world_size: int, ranks_per_nod
               *args, timeout: float = 600) -> CaseResults:
     """Run every case, in order, on one ``world_size``-rank gloo process group.
 
-    ``cases``: name -> fn, called as fn(rank, world_size, *args) on every rank (forked
-    processes that receive fn pickled: it must pickle, e.g. a module-level function or a functools.partial of
-    one). Returns a CaseResults; its ``get(name)`` is the list of the ranks' return values,
-    or fails the calling test with the case's traceback. Never raises for a failed case or
-    a failed world: those fail the ``get`` of each case they cost.
+    ``cases``: name -> fn, called as fn(rank, world_size, *args) on every rank (other
+    processes: fn and args must pickle, e.g. a module-level function or a
+    functools.partial of one). Returns a CaseResults; its ``get(name)`` is the list of
+    the ranks' return values, or fails the calling test with the case's traceback. Never
+    raises for a failed case or a failed world: those fail the ``get`` of each case they
+    cost.
     """
     names = list(cases)
     fns = [cases[name] for name in names]

@@ -50,16 +50,17 @@ class AmspOptimizersContainer(OptimizersContainer):
         self._fitted, self._residuals_reset = None, {}
         if path is None:
             return
-        self._fitted = {}
+        fitted, reset = {}, {}  # kept only once every part is fitted (a raise keeps none)
         for i, part in enumerate(self.model_parts):
             entry, name = residual_entry(part), f"{RESIDUALS}.{i}"
             if entry is None:
                 continue
             why = fit_residuals(path, entry, (OPTIMIZER, name), metadata)
             if why:
-                self._residuals_reset[name] = why
+                reset[name] = why
             else:
-                self._fitted[name] = entry
+                fitted[name] = entry
+        self._fitted, self._residuals_reset = fitted, reset
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the true global norm (model params have no .grad: grads live in the engine)."""

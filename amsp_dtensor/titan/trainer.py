@@ -98,9 +98,9 @@ def _refuse_misfits(dcp_load):
         metadata = FileSystemReader(checkpoint_id).read_metadata()
         optimizers = state_dict.get(OPTIMIZER)
         amsp_optimizers = isinstance(optimizers, AmspOptimizersContainer)
-        if amsp_optimizers:  # its residual entries fit this file (or are left out) from now
-            optimizers.expect_checkpoint(checkpoint_id, metadata)
         try:
+            if amsp_optimizers:  # its residual entries fit this file (or are left out) from now
+                optimizers.expect_checkpoint(checkpoint_id, metadata)
             wanted = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
             if optimizers is not None:
                 wanted[OPTIMIZER] = optimizers.state_dict()
