@@ -372,12 +372,11 @@ def check_entries_fit(path: str | Path, state: dict[str, Any],
         if prefix:
             if prefix.split(".")[0] not in state:
                 continue
-            inner = [o for o in others if o.startswith(prefix + ".")]  # not compared here
-            def compared(k: str) -> bool:
-                return k.startswith(prefix + ".") and not any(k.startswith(o + ".") for o in inner)
-
-            wanted = {k: v for k, v in wanted_all.items() if compared(k)}
-            have = {k: v for k, v in stored.items() if compared(k)}
+            inner = tuple(o + "." for o in others if o.startswith(prefix + "."))  # not compared
+            wanted = {k: v for k, v in wanted_all.items()
+                      if k.startswith(prefix + ".") and not k.startswith(inner)}
+            have = {k: v for k, v in stored.items()
+                    if k.startswith(prefix + ".") and not k.startswith(inner)}
         else:
             wanted = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
             have = {k: v for k, v in stored.items()

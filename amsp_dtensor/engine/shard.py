@@ -329,11 +329,11 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
 def _tp_after_shard_refusals(modules, located) -> list[tuple[nn.Module, str]]:
     """(module, message) for each module owning a param of the unit: see [Note: tensor
     parallelism applied after amsp.fully_shard] in compat.py."""
-    out = {}
+    unit, out = _describe(modules), {}
     for i, name, _ in located:
         path = name.rpartition(".")[0]
         owner = modules[i].get_submodule(path)
-        where = f"{type(owner).__name__} {path!r} of {_describe(modules)}" if path else _describe(modules)
+        where = f"{type(owner).__name__} {path!r} of {unit}" if path else unit
         out[id(owner)] = owner, (
             f"{where} was sharded by amsp.fully_shard, and tensor parallelism cannot split it "
             "afterwards: apply it first (parallelize_module(model, mesh['tp'], tp_plan), "
