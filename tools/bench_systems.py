@@ -11,6 +11,7 @@ has no PREMUL_SUM).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed import device_mesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -260,14 +262,40 @@ class AMSPSystem(System):
         return dict(self.amsp.memory_by_state(self.model, self.optim))
 
 
+class GroupPool:
+    """Process groups shared by the sweep's meshes: the n-th group one mesh asks for over
+    some ranks is the n-th one ever made over them (the Note in bench_worker says why).
+    Every rank asks in the same order, so all make the same groups."""
+
+    def __init__(self):
+        self._groups: dict[tuple, list] = {}
+        self._asked: collections.Counter = collections.Counter()
+        self._new_group = device_mesh.new_group
+        device_mesh.new_group = self.new_group  # what DeviceMesh builds its dims with
+
+    def new_group(self, ranks=None, **options):
+        key = (tuple(ranks or ()), *sorted((k, repr(v)) for k, v in options.items()
+                                            if k != "group_desc"))
+        made, n = self._groups.setdefault(key, []), self._asked[key]
+        self._asked[key] += 1
+        if n == len(made):
+            made.append(self._new_group(ranks=ranks, **options))
+        return made[n]
+
+    def next_mesh(self) -> None:
+        self._asked.clear()
+
+
 class Meshes:
-    """Each process group built once per process (gloo groups are slow to create)."""
+    """Each device mesh built once per process, its groups from one GroupPool."""
 
     def __init__(self, world: int, rpn: int):
         self.world, self.rpn, self._cache = world, rpn, {}
+        self._pool = GroupPool()
 
     def get(self, shape: tuple[int, ...], names: tuple[str, ...]):
         if (shape, names) not in self._cache:
+            self._pool.next_mesh()
             self._cache[(shape, names)] = init_device_mesh("cpu", shape, mesh_dim_names=names)
         return self._cache[(shape, names)]
 
@@ -280,6 +308,7 @@ class Meshes:
     def amsp_mesh(self, plan):
         key = ("amsp", plan.name)
         if key not in self._cache:
+            self._pool.next_mesh()
             self._cache[key] = amsp.init_mesh(plan.as_plan(), ranks_per_node=self.rpn,
                                               device_type="cpu")
         return self._cache[key]

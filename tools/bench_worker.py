@@ -3,8 +3,9 @@
 For rep in reps, for each run ``KEY[@MODE]`` (interleaved): rebuild from the same seed,
 ``warmup`` untimed steps (``--warmup-later`` after repetition 0), then the timed steps in
 comm mode MODE, each the interval between step ends (in noop mode an untimed barrier starts
-each step). Repetition 0 samples memory after every op in its warm-up steps and records the
-collectives of its last step.
+each step). Repetition 0 samples memory after every op in its last warm-up step (the
+first step allocates the optimizer states, so the second is the first whole one) and records
+the collectives of its last step.
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ class Worker:
         total = warmup + steps
         data = [S.make_batches(s, self.world, self.rank, a.micro_batches, a.micro_batch, a.seq,
                                self.model_args.vocab_size) for s in range(total)]
-        gc.collect()
         t_build = time.time()
         mem = bench_memory.PeakMemory()
         system = S.make_system(key, self.model_args, a.seed, a.lr, self.meshes, a)
@@ -140,7 +140,7 @@ class Worker:
                 starts.append(time.perf_counter() if mode == "noop" or not ends else ends[-1])
                 rec_cm = system.amsp.record_comms() if amsp and last and mode == "real" else None
                 rec = rec_cm.__enter__() if rec_cm else None
-                per_op = mem.every_op() if record and s < warmup else contextlib.nullcontext()
+                per_op = mem.every_op() if record and s == warmup - 1 else contextlib.nullcontext()
                 with self.counter.recording() if record and last else contextlib.nullcontext(), per_op:
                     losses.append(system.train_step(
                         data[s], probe=mem.sample, before_step=grab if record and last else lambda: None))
@@ -207,9 +207,14 @@ def main(argv=None) -> int:
     w = Worker(args)
     runs = comma_list(args.runs)
     keep = frozenset(comma_list(args.keep))
-    # Every process group exists before the first measurement: each gloo group keeps a
-    # polling thread per process, so configurations measured before the others' groups
-    # were built would run with less background load than the rest.
+    # [Note: the measurements share their process groups]
+    # A gloo group keeps a thread that wakes while idle. With a group per mesh dim per
+    # configuration (224 threads per rank for the 4x2 sweep) the idle groups held the load
+    # average near 100 on 2 cores and slowed every step by 20-40%. The meshes now draw
+    # their groups from one pool (GroupPool), which makes a group over some ranks only
+    # when no earlier mesh made one, so the process holds as many groups as its largest
+    # mesh needs (29 threads per rank at 4x2). They are all made here, before the first
+    # measurement, so that every configuration runs with the same groups alive.
     t0 = time.time()
     for run in runs:
         w.build_groups(run.partition("@")[0])
