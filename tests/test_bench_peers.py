@@ -42,6 +42,24 @@ def test_cuda_shim_is_undone():
     assert (torch.cuda.current_device, torch.cuda.Stream, torch.Tensor.cuda) == before
 
 
+@pytest.mark.skipif(bool(P.missing("mfsdp_z3")),
+                    reason="peers not installed (python -m tools.bench install-peers)")
+def test_cuda_shim_makes_megatron_fsdp_gathers_wait(monkeypatch):
+    """Its coalesced all-gathers are asked for asynchronously; under the shim they are
+    waited for (no stream orders a bucket's reuse after its gather on CPU)."""
+    monkeypatch.setattr(sys, "path", [str(P.ROOT / "common"), *sys.path])
+    from megatron_fsdp import param_and_grad_buffer as buffers
+
+    asked = []
+    monkeypatch.setattr(buffers, "_coalescing_manager",
+                        lambda group=None, device=None, async_ops=False: asked.append(async_ops))
+    shim = P._CudaShim()
+    buffers._coalescing_manager("g", async_ops=True)
+    shim.restore()
+    buffers._coalescing_manager("g", async_ops=True)
+    assert asked == [False, True]
+
+
 @pytest.mark.skipif(bool(P.missing("ds_z2") or P.missing("mfsdp_z3")),
                     reason="peers not installed (python -m tools.bench install-peers)")
 def test_peers_train_the_same_model_as_ddp(tmp_path):

@@ -15,6 +15,8 @@ the error it answers and the version it was seen on.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -73,8 +75,6 @@ def activate(env: str) -> None:
 
 def _cpu_fixes(deepspeed, mics: bool) -> None:
     """Run-time patches of DeepSpeed, idempotent; nothing else is changed."""
-    import importlib
-
     # 0.19.6 and 0.19.8: init_distributed JIT-compiles a C++ shared-memory op for
     # inference_all_reduce (1.5-3 min per fresh machine, DS_BUILD_OPS=0 does not stop it);
     # training never calls it. (`import deepspeed.comm.torch as m` would give torch itself.)
@@ -104,7 +104,13 @@ class _CudaShim:
     torch.cuda.current_device() ("Torch not compiled with CUDA enabled"), and it records
     streams and events around every gather and reduce; uneven_dtensor calls ``.cuda()``.
     On CPU those are no-ops (one stream, ops in program order). Installed for the life of
-    one Megatron-FSDP system only, and undone in ``restore``."""
+    one Megatron-FSDP system only, and undone in ``restore``.
+
+    Its parameter all-gathers are issued asynchronously and a gathered bucket is recycled
+    once the stream events say it is free; with no-op events a bucket could be recycled
+    while gloo still wrote into it: "malloc(): unaligned tcache chunk detected" (SIGABRT)
+    in the hybrid mode at 4x2, once the sweep's idle process groups were gone. So its
+    coalesced all-gathers wait for their work before returning."""
 
     class _Nop:
         def __init__(self, *a, **k):
@@ -122,6 +128,13 @@ class _CudaShim:
                          (torch.cuda, "current_device", lambda: 0),
                          (torch.cuda, "empty_cache", lambda: None),
                          (torch.Tensor, "cuda", lambda self, *a, **k: self)]
+        if importlib.util.find_spec("megatron_fsdp"):
+            from megatron_fsdp import param_and_grad_buffer as buffers
+
+            coalesced = buffers._coalescing_manager
+            self._patches.append((buffers, "_coalescing_manager",
+                                  lambda group=None, device=None, async_ops=False:
+                                  coalesced(group, device, async_ops=False)))
         self._saved = [(obj, name, getattr(obj, name)) for obj, name, _ in self._patches]
         for obj, name, value in self._patches:
             setattr(obj, name, value)
