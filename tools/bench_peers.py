@@ -15,7 +15,6 @@ the error it answers and the version it was seen on.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import os
 import subprocess

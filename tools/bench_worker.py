@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     # average near 100 on 2 cores and slowed every step by 20-40%. The meshes now draw
     # their groups from one pool (GroupPool), which makes a group over some ranks only
     # when no earlier mesh made one, so the process holds as many groups as its largest
-    # mesh needs (29 threads per rank at 4x2). They are all made here, before the first
-    # measurement, so that every configuration runs with the same groups alive.
+    # mesh needs (41 threads per rank for the 4x2 sweep). They are all made here, before
+    # the first measurement, so that every configuration runs with the same groups alive.
     t0 = time.time()
     for run in runs:
         w.build_groups(run.partition("@")[0])
