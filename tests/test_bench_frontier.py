@@ -272,7 +272,7 @@ def argparse_roundtrip(W, args):
     return ap.parse_args(W.workload_argv(args))
 
 
-def test_dominated_configurations_are_pruned_within_their_system():
+def test_dominated_configurations_are_pruned_within_their_system_or_against_all():
     from tools import bench_worker as W
 
     def res(config, step, peak):
@@ -288,6 +288,17 @@ def test_dominated_configurations_are_pruned_within_their_system():
     assert W.dominated(results, 0.20, 1000) == ["amsp:p1-g4-os4"]
     assert W.dominated(results, 0.0, 1000) == []
     assert W.dominated(results, 0.10, 1000, frozenset({"amsp:p1-g8-os8"})) == ["amsp:p1-g4-os4"]
+    # against every system: DeepSpeed ZeRO-1 (500 tok/s at 90 MB) vs AMSP p1-g1-os4 (714 at
+    # 81 MB) is 1.43x; DeepSpeed ZeRO-3 (200 at 45 MB) vs FSDP2 reshard (250 at 40 MB) 1.25x
+    assert W.dominated(results, 0.0, 1000, margin_all=0.3) == ["amsp:p1-g4-os4", "ds_z1"]
+    assert W.dominated(results, 0.0, 1000, margin_all=0.2) == ["amsp:p1-g4-os4", "ds_z3",
+                                                              "ds_z1"]
+    assert W.dominated(results, 0.0, 1000, frozenset({"ds_z1"}), 0.3) == ["amsp:p1-g4-os4"]
+    # another process set's configurations count as rivals only (never cut here): MiCS
+    # (333 tok/s at 100 MB) against AMSP p1-g1-os4's 714 at 81 MB
+    mics = [res("ds_mics:2", 3.0, 100)]
+    assert W.dominated(mics, 0.1, 1000, margin_all=0.3, rivals=results) == ["ds_mics:2"]
+    assert W.dominated(mics, 0.1, 1000, rivals=results) == []
 
 
 def test_possible_picks_are_every_pick_the_planner_makes_at_any_budget():

@@ -126,13 +126,13 @@ def run_sets(args, runs: list[str], out_dir: Path, link) -> dict:
     sets: dict[str, list[str]] = {}
     for run in runs:
         sets.setdefault(bench_peers.env_of(run), []).append(run)
-    merged = None
+    merged, rivals = None, []
     for env, mine in sets.items():
         out = out_dir / f"result_{env}.json"
         spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=link,
                            netns=not args.no_netns, timeout_s=args.timeout)
         rc = run_cluster(spec, ["-m", "tools.bench_worker", *W.workload_argv(args), "--env", env,
-                                "--runs", ",".join(mine), "--out", str(out)])
+                                "--runs", ",".join(mine), "--out", str(out), *rivals])
         if not out.exists():
             raise SystemExit(f"the {env} process set failed (exit {rc}); no report written")
         data = json.loads(out.read_text())
@@ -141,6 +141,7 @@ def run_sets(args, runs: list[str], out_dir: Path, link) -> dict:
                   "runs; reporting those", file=sys.stderr)
             data["meta"]["incomplete"] = [f"{env} set stopped (exit {rc}) after "
                                           f"{len(data['results'])} runs"]
+        rivals = ["--rivals", str(out)]  # the next set prunes against this one's too
         if merged is None:
             merged = data
         else:
@@ -179,7 +180,7 @@ def frontier(args, argv: list[str]) -> int:
             if not table.exists():
                 raise SystemExit("the bandwidth profile failed; no report written")
             profile, profile_s = json.loads(table.read_text()), time.time() - t0
-        if args.prune > 0:
+        if args.prune > 0 or args.prune_all > 0:
             picks = possible_picks(args, world, rpn, time_models(rpn, profile, inter_bw))
             args.keep = ",".join(sorted(set(W.comma_list(args.keep)) | (picks & set(keys))))
             print(f"never pruned (the planner's possible picks): {args.keep}", flush=True)

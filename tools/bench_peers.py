@@ -162,9 +162,11 @@ class DeepSpeedSystem(S.System):
             zero["zero_hpz_partition_size"] = int(arg)
         if mics:
             zero.update(mics_shard_size=int(arg), mics_hierarchical_params_gather=False)
+        # gradient_clipping: DeepSpeed clips the norm at 1.0 unless told otherwise (0.19.6
+        # and 0.19.8); no other system here clips
         cfg = {"train_micro_batch_size_per_gpu": micro_batch,
                "gradient_accumulation_steps": micro_batches, "zero_optimization": zero,
-               "steps_per_print": 10**9}
+               "gradient_clipping": 0.0, "steps_per_print": 10**9}
         # DeepSpeed keeps one hpZ group per process and asserts "ZeRO parameter intra
         # parallel group is already initialized" when a second engine asks for one: hand
         # each engine the group of its size, built once (None: not hpZ, or first time)
@@ -193,12 +195,15 @@ class DeepSpeedSystem(S.System):
         self._rss0 = psutil.Process().memory_info().rss
 
     def train_step(self, batches, probe=lambda: None, before_step=lambda: None) -> float:
-        # DeepSpeed's loop: backward and step on every micro-batch; the engine scales the
-        # loss by 1/M, reduces where its stage does and steps at the accumulation boundary
+        # DeepSpeed's loop: backward and step on every micro-batch; the engine reduces where
+        # its stage does and steps at the accumulation boundary. The boundary and the 1/M
+        # scale are given per step, not taken from the configured M, so that a step of fewer
+        # micro-batches (a short warm-up) is the same step as in every other system
         total = 0.0
         for i, (tokens, labels) in enumerate(batches):
+            self.model.set_gradient_accumulation_boundary(i == len(batches) - 1)
             loss = S.lm_loss(self.model, tokens, labels)
-            self.model.backward(loss)
+            self.model.backward(loss / len(batches), scale_wrt_gas=False)
             probe()
             if i == len(batches) - 1:
                 before_step()

@@ -388,10 +388,15 @@ def section(data: dict, command: str, png_name: str) -> str:
                 "DeepSpeed 0.19.6)" if any(r["family"] == "ds_mics" for r in rows) else "")
              + f"; each rebuilt from the same seed, {a['warmup']} warm-up steps"
              + (f" ({later} in repetitions after the first)" if later not in (None, a["warmup"])
-                else "") + f", then {a['steps']} timed step(s)"
+                else "")
+             + (f", the first of them of {a['warmup_micro_batches']} micro-batches"
+                if a.get("warmup_micro_batches") else "") + f", then {a['steps']} timed step(s)"
              + (f"; cut after repetition 0 (off their system's frontier by >= "
-                f"{a['prune']:.0%} in tokens/s at no less memory; never a plan the planner "
-                f"can pick): {', '.join(label(k, rpn) for k in meta['pruned'])}"
+                f"{a['prune']:.0%} in tokens/s at no less memory"
+                + (f", or off every system's by >= {a['prune_all']:.0%}"
+                   if a.get("prune_all") else "")
+                + f"; never a plan the planner can pick): "
+                f"{', '.join(label(k, rpn) for k in meta['pruned'])}"
                 if meta.get("pruned") else "")
              + f". Sweep wall time {meta['wall_s']:.0f} s.",
              ]

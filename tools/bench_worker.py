@@ -52,19 +52,26 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (repetition 0)")
     ap.add_argument("--warmup-later", type=int, default=None,
                     help="untimed steps in later repetitions (default: --warmup)")
+    ap.add_argument("--warmup-micro-batches", type=int, default=None,
+                    help="micro-batches of each measurement's first warm-up step (default M; "
+                         "2 runs an accumulating and a syncing one, which is all a first step "
+                         "has to create: the optimizer states and every buffer)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prune", type=float, default=0.0,
                     help="after repetition 0, no more repetitions of a configuration that "
                          "another of its system beats by this margin (0.1: >= 1.1x its "
                          "tokens/s) at no more peak memory; 0 = off")
+    ap.add_argument("--prune-all", type=float, default=0.0,
+                    help="after repetition 0, also cut a configuration that any other system's "
+                         "beats by this margin at no more peak memory; 0 = off")
     ap.add_argument("--keep", default="", help="configurations --prune never cuts")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
 
 
 WORKLOAD = ("flavor", "seq", "micro_batch", "micro_batches", "warmup", "warmup_later",
-            "steps", "reps", "prune", "keep", "lr", "seed")
+            "warmup_micro_batches", "steps", "reps", "prune", "prune_all", "keep", "lr", "seed")
 
 
 def workload_argv(args) -> list[str]:
@@ -77,18 +84,24 @@ def schedule(runs: list[str], reps: int) -> list[tuple[int, str, str]]:
     return [(rep, *run.partition("@")[::2]) for rep in range(reps) for run in runs]
 
 
-def dominated(results: list[Result], margin: float, tokens: int, keep=frozenset()) -> list[str]:
-    """Configurations off their own system's frontier by `margin` in one repetition:
-    another of the same family peaks at no more memory and runs >= (1 + margin) x its
-    tokens/s; never one in `keep`. Times and peaks are reduced over ranks, so every rank
-    reaches the same list."""
-    if margin <= 0:
-        return []
-    facts = [(r.config, S.family(r.config), max(r.peak_bytes_per_rank),
-              tokens * len(r.step_times) / sum(r.step_times)) for r in results if r.step_times]
-    return [k for k, fam, peak, tps in facts if k not in keep
-            and any(f == fam and o != k and p <= peak and t >= (1 + margin) * tps
-                    for o, f, p, t in facts)]
+def dominated(results: list[Result], margin: float, tokens: int, keep=frozenset(),
+              margin_all: float = 0.0, rivals: list[Result] = ()) -> list[str]:
+    """Configurations of `results` to cut after repetition 0, never one in `keep`: another
+    of the same system peaks at no more memory and runs >= (1 + margin) x its tokens/s, or
+    any other configuration (``rivals`` too: another process set's) does so by
+    `margin_all`. Times and peaks are reduced over ranks, so every rank gets the same list."""
+    def facts(rs):
+        return [(r.config, S.family(r.config), max(r.peak_bytes_per_rank),
+                 tokens * len(r.step_times) / sum(r.step_times)) for r in rs if r.step_times]
+
+    every = facts([*results, *rivals])
+
+    def beaten(k, fam, peak, tps):
+        return any(o != k and p <= peak and (
+            (margin > 0 and f == fam and t >= (1 + margin) * tps)
+            or (margin_all > 0 and t >= (1 + margin_all) * tps)) for o, f, p, t in every)
+
+    return [k for k, *fact in facts(results) if k not in keep and beaten(k, *fact)]
 
 
 class Worker:
@@ -115,8 +128,10 @@ class Worker:
         record = rep == 0 and mode == "real"
         warmup = a.warmup if rep == 0 or a.warmup_later is None else a.warmup_later
         total = warmup + steps
-        data = [S.make_batches(s, self.world, self.rank, a.micro_batches, a.micro_batch, a.seq,
-                               self.model_args.vocab_size) for s in range(total)]
+        short = a.warmup_micro_batches if warmup and a.warmup_micro_batches else a.micro_batches
+        data = [S.make_batches(s, self.world, self.rank, short if s == 0 else a.micro_batches,
+                               a.micro_batch, a.seq, self.model_args.vocab_size)
+                for s in range(total)]
         t_build = time.time()
         mem = bench_memory.PeakMemory()
         system = S.make_system(key, self.model_args, a.seed, a.lr, self.meshes, a)
@@ -170,7 +185,7 @@ class Worker:
         dist.all_gather_object(per_rank, (mem.peak_delta, held["state"], held["reported"], waited))
         system.close()
         del system, inner
-        gc.collect()
+        settle()
         dist.barrier()
         return Result(config=key, rep=rep, mode=mode, step_times=t.tolist(),
                       losses=(lt / self.world).tolist(),
@@ -179,6 +194,19 @@ class Worker:
                       reported_bytes_per_rank=[r[2] for r in per_rank],
                       waited_s_per_rank=[r[3] for r in per_rank], comm=comm,
                       wall_s=time.time() - t_build)
+
+
+def settle() -> None:
+    """Collect the last system's garbage, then freeze what survived."""
+    # [Note: a collection scans only what the last measurement made]
+    # With torch, torchtitan and the peers imported a process holds ~500k objects, and a full
+    # collection took 0.3 CPU-s: two per measurement (here and PeakMemory's baseline), on 8
+    # ranks sharing 2 cores, were ~2 s of each measurement's wall time, and a collection the
+    # interpreter starts itself can land inside a timed step. gc.freeze() moves the survivors
+    # to a generation no collection scans, so the next ones look only at the objects the next
+    # system makes (the systems themselves are collected as before).
+    gc.collect()
+    gc.freeze()
 
 
 def wire_by_locality(events) -> dict[str, float]:
@@ -197,6 +225,8 @@ def main(argv=None) -> int:
     add_workload_args(ap)
     ap.add_argument("--runs", required=True, help="KEY[@MODE],... (mode: real, noop, serial)")
     ap.add_argument("--env", default="main", help="the peers' process set (bench_peers.ENVS)")
+    ap.add_argument("--rivals", default=None, help="an earlier process set's results: its "
+                    "repetition 0 counts for --prune-all")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from tools import bench_peers
@@ -218,6 +248,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     for run in runs:
         w.build_groups(run.partition("@")[0])
+    settle()
     dist.barrier()
     setup = {"groups_s": time.time() - t0, "threads_rank0": len(os.listdir("/proc/self/task"))}
     tokens = w.world * args.micro_batch * args.micro_batches * args.seq
@@ -245,10 +276,14 @@ def main(argv=None) -> int:
 
     for rep, key, mode in schedule(runs, args.reps):
         if rep > 0 and pruned is None:
-            pruned = dominated([r for r in results if r.rep == 0 and r.mode == "real"],
-                               args.prune, tokens, keep)
-            if w.rank == 0 and args.prune > 0:
-                print(f"pruned after repetition 0 (margin {args.prune}): {pruned}", flush=True)
+            rep0 = lambda rs: [r for r in rs if r.rep == 0 and r.mode == "real"]  # noqa: E731
+            rivals = [Result(**r) for r in json.load(open(args.rivals))["results"]] \
+                if args.rivals and args.prune_all > 0 else []
+            pruned = dominated(rep0(results), args.prune, tokens, keep, args.prune_all,
+                               rep0(rivals))
+            if w.rank == 0 and (args.prune > 0 or args.prune_all > 0):
+                print(f"pruned after repetition 0 (margins {args.prune}, all systems "
+                      f"{args.prune_all}): {pruned}", flush=True)
         if key in (pruned or []):
             continue
         r = w.measure(key, mode or "real", rep, args.steps)
