@@ -460,19 +460,19 @@ def test_meshes_share_the_groups_of_earlier_meshes_over_the_same_ranks(fake_four
                         lambda ranks=None, **kw: made.append(tuple(ranks)) or
                         torch_new_group(ranks=ranks, **kw))
     meshes = S.Meshes(4, 2)
-    hsdp = meshes.hsdp_mesh(2)
+    hsdp = meshes.of("hsdp:2")
     assert sorted(made) == [(0, 1), (0, 2), (1, 3), (2, 3)]  # every rank makes every subgroup
     mfsdp = meshes.get((2, 2, 1), ("outer", "fsdp", "tp"))
     assert mfsdp.get_group("outer") is hsdp.get_group("replicate")
     assert mfsdp.get_group("fsdp") is hsdp.get_group("shard")
     assert sorted(made[4:]) == [(0,), (1,), (2,), (3,)]  # only the size-1 "tp" groups are new
 
-    os2 = mesh_info(meshes.amsp_mesh(S.resolve_plan("p1-g1-os2", 4, 2)))
+    os2 = mesh_info(meshes.of("amsp:p1-g1-os2"))
     # its os dim and its flattened shard dim hold the same two ranks: two groups, as alone
     assert os2.group("os") is hsdp.get_group("shard")
     assert os2.group("shard") is not os2.group("os")
     assert dist.get_process_group_ranks(os2.group("shard")) == [0, 1]
     before = len(made)
-    again = mesh_info(meshes.amsp_mesh(S.resolve_plan("p2-g2-os2", 4, 2)))
+    again = mesh_info(meshes.of("amsp:p2-g2-os2"))
     assert len(made) == before  # every group of a second plan over the same ranks is shared
     assert again.group("shard") is os2.group("shard")

@@ -54,7 +54,7 @@ class Run:
         self.marker = f"amsp-test-{uuid.uuid4().hex[:10]}"
         self.links_before = _root_links()
         argv = [sys.executable, "-m", "tools.cluster", "run", *cluster_args, "--",
-                "-m", "tools.cluster.probe", "--mode", mode, "--marker", self.marker,
+                str(REPO / "tests" / "cluster_probe.py"), "--mode", mode, "--marker", self.marker,
                 *probe_args]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)

@@ -3,6 +3,8 @@ the overlap ablation times), and the overlap numbers of tools/bench_report by ha
 
 from __future__ import annotations
 
+import collections
+
 import multiprocessing as mp
 import socket
 import traceback
@@ -51,7 +53,7 @@ def _checks(rank: int) -> dict:
             res["waits"] = [w.wait() if w is not None else None for w in works]
         res.update(ag=ag.tolist(), rs=rs.tolist(), ar=ar.tolist(), bc=bc.tolist(),
                    ag2=ag2.flatten().tolist(), counted=counter.bytes_by_locality(),
-                   events=sorted(counter.counter().items()))
+                   events=sorted(collections.Counter(counter.events).items()))
         return res
 
     for mode in C.MODES:

@@ -13,6 +13,7 @@ other sections kept); ``--from-json FILE`` re-renders. ``python -m tools.bench_f
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from amsp_dtensor.plan.cost import AlphaBeta, choose_plan
-from amsp_dtensor.plan.cost.bandwidth import load_table
+from amsp_dtensor.plan.cost.bandwidth import parse_table
 from amsp_dtensor.plan.cost.models import from_torchtitan_args
 from amsp_dtensor.plan.cost.planner import NoPlanFits
 from tools import bench_peers
@@ -64,12 +65,9 @@ def time_models(rpn: int, profile: dict | None, link_rate: float | None) -> list
     """[(name, description, model)]: this cluster's profile table when there is one, and
     alpha-beta at the shaped link rate (one rank's share of its node's link)."""
     models = []
-    if profile:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(profile, f)
+    if profile:  # (a copy: parse_table normalizes the entries in place)
         models.append(("profile", "the profile table of this cluster (amsp_dtensor.plan.profile,"
-                       " run on it before the sweep)", load_table(f.name)))
-        os.unlink(f.name)
+                       " run on it before the sweep)", parse_table(copy.deepcopy(profile))))
     if link_rate:
         link = AlphaBeta(intra_bw=1e9, inter_bw=link_rate / rpn, intra_alpha=20e-6,
                          inter_alpha=50e-6)
@@ -234,59 +232,49 @@ def planned_at_hsdp(args, world: int, rpn: int, inter: float) -> str:
 COMPRESSIONS = ("+g-bf16", "+g-int8", "+g-int8+w-bf16")
 
 
-def compression(args, argv: list[str]) -> int:
-    """Per link rate: the planned plan and two more, each exact and under COMPRESSIONS,
-    interleaved in one run; merged into runs/bench/compression.json by cluster and rate."""
-    world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
-    out = Path(args.out_json or REPO / "runs" / "bench" / "compression.json")
-    saved = json.loads(out.read_text()) if out.exists() else {"commands": [], "runs": {}}
-    command = "flock /tmp/amsp_cpu.lock python -m tools.bench compression " + shlex.join(argv)
-    for bw in W.comma_list(args.bw):
-        link = LinkSpec(bw=bw)
-        planned = planned_at_hsdp(args, world, rpn, link.rate_bytes())
-        plans = [planned, *[p for p in W.comma_list(args.plans) if p != planned]][:3]
-        runs = [f"amsp:{p}{c}" for p in plans for c in ("", *COMPRESSIONS)]
-        runs = [runs[0] + "@real", *runs]  # a repetition's first measurement warms the process
-        t0 = time.time()
-        with tempfile.TemporaryDirectory(prefix="amsp_compression_") as tmp:
-            os.chmod(tmp, 0o755)
-            data = run_sets(args, runs, Path(tmp), link)
-        data["meta"].update(bw=bw, planned=planned, wall_s=time.time() - t0)
-        saved["runs"][f"{args.nodes}x{rpn} {bw}"] = data
-        print(R.compression_section({bw: data}, [command]), flush=True)
-        saved["commands"] = [c for c in saved["commands"] if c != command] + [command]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(saved, indent=1))
-    return render("compression", saved, args)
+def planned_runs(what: str, rpn: int, plans: list[str]) -> list[str]:
+    """overlap: each plan under every OVERLAP setting and in noop / serial mode, then FSDP2
+    and HSDP (shard = a node) in all three modes; compression: three plans, each exact and
+    under COMPRESSIONS, the first measured twice (a repetition's first run warms the process)."""
+    if what == "compression":
+        runs = [f"amsp:{p}{c}" for p in plans[:3] for c in ("", *COMPRESSIONS)]
+        return [runs[0] + "@real", *runs]
+    runs = [f"amsp:{p}{'' if c == 'all_on' else '/' + c}{m}" for p in plans
+            for c, m in [*[(c, "") for c in OVERLAP], ("all_on", "@noop"), ("all_on", "@serial")]]
+    return runs + [f"{key}{m}" for key in ("zero3", f"hsdp:{rpn}") for m in ("", "@noop", "@serial")]
 
 
-def overlap(args, argv: list[str]) -> int:
+def planned(what: str, args, argv: list[str]) -> int:
+    """Per link rate: the planner's plan at HSDP's memory and --plans, run as planned_runs.
+    overlap.json holds this command's runs; compression.json every cluster and rate so far."""
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
-    command = ("flock /tmp/amsp_cpu.lock python -m tools.bench_overlap " + shlex.join(argv))
-    runs_out = []
+    out = Path(args.out_json or REPO / "runs" / "bench" / f"{what}.json")
+    command = "flock /tmp/amsp_cpu.lock python -m " + {
+        "overlap": "tools.bench_overlap ", "compression": "tools.bench compression "}[what] \
+        + shlex.join(argv)
+    saved = {"command": command, "runs": []} if what == "overlap" else \
+        json.loads(out.read_text()) if out.exists() else {"commands": [], "runs": {}}
     for bw in W.comma_list(args.bw)[:1 if args.no_netns else None]:
         link = LinkSpec(bw=bw)
-        inter = 1e9 if args.no_netns else link.rate_bytes()
-        planned = planned_at_hsdp(args, world, rpn, inter)
-        plans = [planned, *[p for p in W.comma_list(args.plans) if p != planned]]
-        runs = []
-        for p in plans:
-            runs += [f"amsp:{p}" + (f"/{c}" if c != "all_on" else "") for c in OVERLAP]
-            runs += [f"amsp:{p}@noop", f"amsp:{p}@serial"]
-        for key in ("zero3", f"hsdp:{rpn}"):
-            runs += [key, f"{key}@noop", f"{key}@serial"]
-        with tempfile.TemporaryDirectory(prefix="amsp_overlap_") as tmp:
+        plan = planned_at_hsdp(args, world, rpn, 1e9 if args.no_netns else link.rate_bytes())
+        plans = [plan, *[p for p in W.comma_list(args.plans) if p != plan]]
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix=f"amsp_{what}_") as tmp:
             os.chmod(tmp, 0o755)
-            data = run_sets(args, runs, Path(tmp), link)
-        data["meta"].update(bw=bw, link_short=f"inter-node link {bw} (tbf), intra-node "
-                            f"loopback; planned plan {planned}")
-        runs_out.append(data)
-        print(R.overlap_table(data))
-    saved = {"command": command, "runs": runs_out}
-    out = Path(args.out_json or REPO / "runs" / "bench" / "overlap.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(saved, indent=1))
-    return render("overlap", saved, args)
+            data = run_sets(args, planned_runs(what, rpn, plans), Path(tmp), link)
+        if what == "overlap":
+            data["meta"].update(bw=bw, link_short=f"inter-node link {bw} (tbf), intra-node "
+                                f"loopback; planned plan {plan}")
+            saved["runs"].append(data)
+            print(R.overlap_table(data))
+        else:
+            data["meta"].update(bw=bw, planned=plan, wall_s=time.time() - t0)
+            saved["runs"][f"{args.nodes}x{rpn} {bw}"] = data
+            print(R.compression_section({bw: data}, [command]), flush=True)
+            saved["commands"] = [c for c in saved["commands"] if c != command] + [command]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(saved, indent=1))
+    return render(what, saved, args)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -326,7 +314,7 @@ def main(argv=None) -> int:
         args.warmup = 1 if "--warmup" not in argv else args.warmup
         args.plans = args.plans or ("p1-g1-os2" if args.what == "overlap"
                                     else "p1-g1-os2,p1-g1-os4,p2-g2-os4")
-        return (overlap if args.what == "overlap" else compression)(args, argv[1:])
+        return planned(args.what, args, argv[1:])
     return frontier(args, argv[1:])
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -55,9 +54,6 @@ class CommCounter:
         for _op, _n, nbytes, inter in self.events:
             out["inter" if inter else "intra"] += nbytes
         return out
-
-    def counter(self) -> Counter:
-        return Counter(self.events)
 
     @contextlib.contextmanager
     def recording(self):

@@ -299,23 +299,22 @@ class Meshes:
             self._cache[(shape, names)] = init_device_mesh("cpu", shape, mesh_dim_names=names)
         return self._cache[(shape, names)]
 
-    def world_mesh(self):
-        return self.get((self.world,), ("dp",))
-
-    def hsdp_mesh(self, shard: int):
-        return self.get((self.world // shard, shard), ("replicate", "shard"))
-
-    def amsp_mesh(self, plan):
-        key = ("amsp", plan.name)
-        if key not in self._cache:
+    def of(self, key: str):
+        """The mesh configuration `key` trains on (None: DDP, and the peers, which build
+        theirs with ``get``); for AMSP, ``amsp.init_mesh``'s for the plan."""
+        head, _, arg = key.partition(":")
+        if head == "hsdp":
+            return self.get((self.world // int(arg), int(arg)), ("replicate", "shard"))
+        if head in ("zero3", "zero3_keep"):
+            return self.get((self.world,), ("dp",))
+        if head != "amsp":
+            return None
+        plan = ShardingPlan.from_name(amsp_key(arg)[0]).resolve(self.world, self.rpn)
+        if ("amsp", plan.name) not in self._cache:
             self._pool.next_mesh()
-            self._cache[key] = amsp.init_mesh(plan.as_plan(), ranks_per_node=self.rpn,
-                                              device_type="cpu")
-        return self._cache[key]
-
-
-def resolve_plan(name: str, world: int, rpn: int):
-    return ShardingPlan.from_name(name).resolve(world, rpn)
+            self._cache[("amsp", plan.name)] = amsp.init_mesh(
+                plan.as_plan(), ranks_per_node=self.rpn, device_type="cpu")
+        return self._cache[("amsp", plan.name)]
 
 
 def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, workload) -> System:
@@ -328,12 +327,11 @@ def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, work
     model = build_model(model_args, seed)
     if head == "ddp":
         return DDPSystem(model, lr)
-    if head in ("zero3", "zero3_keep"):
-        return FSDPSystem(model, lr, meshes.world_mesh(), reshard_after_forward=head == "zero3")
-    if head == "hsdp":
-        return FSDPSystem(model, lr, meshes.hsdp_mesh(int(arg)), hsdp=True)
+    if head in ("zero3", "zero3_keep", "hsdp"):
+        return FSDPSystem(model, lr, meshes.of(key), reshard_after_forward=head != "zero3_keep",
+                          hsdp=head == "hsdp")
     if head == "amsp":
         plan, switches, compression = amsp_key(arg)
-        p = resolve_plan(plan, meshes.world, meshes.rpn)
-        return AMSPSystem(model, lr, p, meshes.amsp_mesh(p), switches or "all_on", compression)
+        p = ShardingPlan.from_name(plan).resolve(meshes.world, meshes.rpn)
+        return AMSPSystem(model, lr, p, meshes.of(key), switches or "all_on", compression)
     raise ValueError(f"unknown configuration {key!r}")

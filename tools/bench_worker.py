@@ -113,22 +113,13 @@ class Worker:
         self.model_args = S.model_args(args.flavor, args.seq)
         self.meshes = S.Meshes(self.world, self.rpn)
 
-    def build_groups(self, key: str) -> None:
-        """Create the device meshes `key` uses, so that all exist before any measurement."""
-        head, _, arg = key.partition(":")
-        if head in ("zero3", "zero3_keep"):
-            self.meshes.world_mesh()
-        elif head == "hsdp":
-            self.meshes.hsdp_mesh(int(arg))
-        elif head == "amsp":
-            self.meshes.amsp_mesh(S.resolve_plan(S.amsp_key(arg)[0], self.world, self.rpn))
-
     def measure(self, key: str, mode: str, rep: int, steps: int) -> Result:
         a = self.args
         record = rep == 0 and mode == "real"
         warmup = a.warmup if rep == 0 or a.warmup_later is None else a.warmup_later
         total = warmup + steps
-        short = a.warmup_micro_batches if warmup and a.warmup_micro_batches else a.micro_batches
+        # the first step may be short, unless it is the one whose memory is sampled per op
+        short = warmup > record and a.warmup_micro_batches or a.micro_batches
         data = [S.make_batches(s, self.world, self.rank, short if s == 0 else a.micro_batches,
                                a.micro_batch, a.seq, self.model_args.vocab_size)
                 for s in range(total)]
@@ -247,7 +238,7 @@ def main(argv=None) -> int:
     # the first measurement, so that every configuration runs with the same groups alive.
     t0 = time.time()
     for run in runs:
-        w.build_groups(run.partition("@")[0])
+        w.meshes.of(run.partition("@")[0])
     settle()
     dist.barrier()
     setup = {"groups_s": time.time() - t0, "threads_rank0": len(os.listdir("/proc/self/task"))}

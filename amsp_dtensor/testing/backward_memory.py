@@ -1,5 +1,6 @@
 """Measure the gradient census of one training step per plan and dtype, next to the
-memory model's prediction (tests/test_backward_memory.py, tools/backward_memory_table.py).
+memory model's prediction (tests/test_backward_memory.py checks it and, run as a script,
+prints the table in docs/layouts.md).
 
 ``measure_backward_memory`` runs on every rank of one process group (run_on_ranks): for
 each plan it builds TinyLlama, shards every block and then the root, trains one step of

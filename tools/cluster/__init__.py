@@ -1,7 +1,7 @@
 """Emulated multi-node cluster on one machine: network namespaces + tc-shaped veth links.
 
     python -m tools.cluster run --nodes 2 --ranks-per-node 2 --bw 1gbit --delay 0.1ms \
-        -- -m tools.cluster.probe
+        -- tests/cluster_probe.py
     python -m tools.cluster run --no-netns --nodes 2 --ranks-per-node 2 -- -m <module> ...
     python -m tools.cluster clean     # delete namespaces left by a killed run
 

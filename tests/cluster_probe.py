@@ -1,4 +1,5 @@
-"""Worker for checking the emulated cluster; run it under ``python -m tools.cluster run``.
+"""The emulated cluster's check worker (tests/test_cluster.py runs it; so can you, under
+``python -m tools.cluster run ... -- tests/cluster_probe.py``).
 
 Modes: ``bw`` (default), gloo bandwidth rank 0 -> a rank of its node and of another node,
 and the bytes this node's eth0 saw meanwhile (same-node traffic stays on loopback);

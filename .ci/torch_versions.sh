@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Check this checkout against another torch release, in a venv of its own:
 #
-#   tools/torch_compat_check.sh VERSION [--install-only]
+#   .ci/torch_versions.sh VERSION [--install-only]
 #
 # builds (or reuses) /tmp/torchcheck-VERSION with torch==VERSION and this checkout editable
 # (test and bench extras, torch held at VERSION), runs tests/test_compat.py, test_engine.py,
 # test_titan.py and test_checkpoint.py one module at a time and the README's main job, and
 # prints each module's tally and the job's loss at steps 1, 10 and 20. Exit 0 when all pass.
-# Results in docs/torch_versions.md (CI checks torch 2.13.0 only). Releases other than the
-# README's come as CUDA wheels (a few GB) from PyPI, which run on CPU.
+# Results in docs/torch_versions.md (.ci/run checks torch 2.13.0; this checks the other
+# releases, by hand). Releases other than the README's come as CUDA wheels (a few GB) from
+# PyPI, which run on CPU.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
