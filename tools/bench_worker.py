@@ -65,7 +65,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prune-all", type=float, default=0.0,
                     help="after repetition 0, also cut a configuration that any other system's "
                          "beats by this margin at no more peak memory; 0 = off")
-    ap.add_argument("--keep", default="", help="configurations --prune never cuts")
+    ap.add_argument("--keep", default="", help="configurations --prune and --prune-all never cut")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
 
