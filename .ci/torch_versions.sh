@@ -5,8 +5,10 @@
 #
 # builds (or reuses) /tmp/torchcheck-VERSION with torch==VERSION and this checkout editable
 # (test and bench extras, torch held at VERSION), runs tests/test_compat.py, test_engine.py,
-# test_titan.py and test_checkpoint.py one module at a time and the README's main job, and
-# prints each module's tally and the job's loss at steps 1, 10 and 20. Exit 0 when all pass.
+# test_titan.py, test_checkpoint.py and test_tensor_parallel.py one module at a time,
+# tools/gpu_check.py (its CPU part, plans 2,2,8 and 1,1,16) and the README's main job, and
+# prints each module's tally, gpu_check's verdicts and the job's loss at steps 1, 10 and 20.
+# Exit 0 when all pass.
 # Results in docs/torch_versions.md (.ci/run checks torch 2.13.0; this checks the other
 # releases, by hand). Releases other than the README's come as CUDA wheels (a few GB) from
 # PyPI, which run on CPU.
@@ -49,7 +51,7 @@ log=$venv/logs
 rm -rf "$log" && mkdir -p "$log"
 status=0
 cd "$repo"
-for module in test_compat test_engine test_titan test_checkpoint; do
+for module in test_compat test_engine test_titan test_checkpoint test_tensor_parallel; do
   start=$SECONDS
   "$py" -m pytest -q -p no:cacheprovider "tests/$module.py" > "$log/$module.txt" 2>&1
   rc=$?
@@ -58,6 +60,13 @@ for module in test_compat test_engine test_titan test_checkpoint; do
   tally=$(grep -E "(passed|failed|error|skipped).* in [0-9.]+s" "$log/$module.txt" | tail -1 | tr -d "=" | xargs)
   echo "$module: ${tally:-no tally (exit $rc)} [$((SECONDS - start)) s]"
   grep -E '^(FAILED|ERROR) ' "$log/$module.txt" | head -20 | sed 's/^/    /'
+done
+
+for plan in 2,2,8 1,1,16; do
+  "$py" tools/gpu_check.py --device cpu --plan "$plan" > "$log/gpu_check_$plan.txt" 2>&1
+  rc=$?
+  [ "$rc" -eq 0 ] || status=1
+  echo "gpu_check --plan $plan: exit $rc; $(grep '^gpu_check:' "$log/gpu_check_$plan.txt" | head -3 | tr '\n' ' ')"
 done
 
 # The README's main job, in a scratch folder: its outputs/ (data, tokenizer, dump folder)

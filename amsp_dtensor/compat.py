@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-# Supported torch: 2.13, 2.14 and 2.15 (pyproject.toml; docs/torch_versions.md). Where
+# Supported torch: 2.11 to 2.15 (pyproject.toml; docs/torch_versions.md). Where
 # torch changed a name or a behaviour inside that range, the choice is made once, below,
 # by feature detection (what the installed torch has), not by version number: a backport
 # or a nightly then takes the right branch too. Each such choice says which versions take
@@ -50,13 +50,72 @@ def fsdp_reset_keeps_accumulated_grads(fsdp_param_cls=None) -> bool:
     return not isinstance(attr, property) or attr.fset is not None
 
 
-def private_names(dist_module=None) -> tuple[tuple[str, str], ...]:
-    """``PRIVATE_NAMES`` for the torch described by ``dist_module`` (default: the installed
-    ``torch.distributed``): a name only some versions need is listed only on those."""
+def private_names(dist_module=None, fsdp_module_cls=None) -> tuple[tuple[str, str], ...]:
+    """``PRIVATE_NAMES`` for the torch described by ``dist_module`` and ``fsdp_module_cls``
+    (default: the installed ``torch.distributed`` and ``FSDPModule``): a name only some
+    versions need is listed only on those. (``FSDPState._fsdp_param_group`` is a class-level
+    property from 2.12 on and an instance attribute in 2.11: checked through
+    ``fsdp_params`` on a real unit.)"""
     names = _ALWAYS_PRIVATE
-    if public_set_timeout(dist_module) is None:  # torch 2.13
+    if public_set_timeout(dist_module) is None:  # torch 2.11 to 2.13
         names += (("torch.distributed.distributed_c10d", "_set_pg_timeout"),)
+    if not fsdp_has_reset_iter_state(fsdp_module_cls):  # 2.11, 2.12: the reset by hand (fsdp_reset_iteration); instance attributes
+        names += (("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState"),
+                  ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                   "FSDPParamGroup._to_sharded"),
+                  ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                   "FSDPParamGroup._wait_all_gather_streams_on_event"))
     return names
+
+
+def fsdp_has_reset_iter_state(fsdp_module_cls=None) -> bool:
+    """Whether FSDP2 has ``FSDPModule.reset_iter_state`` (torch 2.13+); 2.11 and 2.12 do
+    not, and ``fsdp_reset_iteration`` resets by hand there."""
+    if fsdp_module_cls is None:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_module_cls = FSDPModule
+    return hasattr(fsdp_module_cls, "reset_iter_state")
+
+
+# [Note: the tensor collectives' names]
+# torch 2.13 named the single-tensor all-gather and reduce-scatter
+# ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` and kept
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` as deprecated forms that forward
+# to them; torch 2.11 and 2.12 have only the latter (``AttributeError: module
+# 'torch.distributed' has no attribute 'reduce_scatter_single'``). Every caller in the
+# project goes through ``all_gather_single`` / ``reduce_scatter_single`` below, which call
+# the name this torch has, looked up on ``torch.distributed`` at each call (so a wrapper a
+# benchmark or test installs there sees the call). Code that wraps torch's entry points to
+# count or time them wraps ``TENSOR_COLLECTIVES``: the base names, which FSDP2 and the
+# deprecated forms call too, so nothing counts twice.
+def tensor_collective_names(dist_module=None) -> dict[str, str]:
+    """{"all_gather": name, "reduce_scatter": name}: the base single-tensor collectives of
+    the torch described by ``dist_module`` (default: the installed ``torch.distributed``)."""
+    dist_module = torch.distributed if dist_module is None else dist_module
+    if hasattr(dist_module, "all_gather_single"):  # torch 2.13+
+        return {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    return {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+
+
+TENSOR_COLLECTIVES: dict[str, str] = tensor_collective_names()
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None,
+                      async_op: bool = False):
+    """``dist.all_gather_single`` (2.13+) or ``dist.all_gather_into_tensor`` (2.11, 2.12)."""
+    return getattr(torch.distributed, TENSOR_COLLECTIVES["all_gather"])(
+        output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=None, group=None,
+                          async_op: bool = False):
+    """``dist.reduce_scatter_single`` (2.13+) or ``dist.reduce_scatter_tensor`` (2.11,
+    2.12); ``op`` defaults to SUM."""
+    dist = torch.distributed
+    return getattr(dist, TENSOR_COLLECTIVES["reduce_scatter"])(
+        output, input, op=dist.ReduceOp.SUM if op is None else op, group=group,
+        async_op=async_op)
 
 
 # Module- and class-level names, checked statically by tests/test_compat.py. Instance
@@ -65,11 +124,9 @@ def private_names(dist_module=None) -> tuple[tuple[str, str], ...]:
 _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultAllGather"),
     ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultReduceScatter"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_group"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch._C", "_current_graph_task_id"),
     ("torch.autograd", "Variable._execution_engine.queue_callback"),
-    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch._utils", "_get_available_device_type"),
     ("torchtitan.protocols.train_spec", "_extra_train_specs"),
     ("torchtitan.models", "_supported_models"),
@@ -146,10 +203,72 @@ def fsdp_reset_iteration(module: nn.Module) -> None:
                 unsharded.grad = None
             fsdp_param.unsharded_accumulated_grad = None
     if module._get_fsdp_state()._is_root is not False:
-        module.reset_iter_state()
+        if hasattr(module, "reset_iter_state"):  # torch 2.13+
+            module.reset_iter_state()
+        else:
+            _fsdp_reset_iter_state(module._get_fsdp_state())
 
 
 _RESET_KEEPS_ACCUMULATED_GRADS = fsdp_reset_keeps_accumulated_grads()
+
+
+def _fsdp_reset_iter_state(state) -> None:
+    """torch 2.13's ``FSDPState._reset_iter_state`` (behind ``FSDPModule.reset_iter_state``)
+    for torch 2.11 and 2.12, which have no reset: wait for the in-flight all-gather and
+    reduce-scatter events, drop their state, reshard every param group, clear the
+    iteration's trackers. Without it, after a forward or backward that raised, the next
+    forward finds units still FORWARD / PRE_BACKWARD with unsharded params and a stale
+    forward root. 2.11 keeps one ``reduce_scatter_state`` and one ``_fsdp_param_group``
+    per state; 2.12 has 2.13's lists (``reduce_scatter_states``, ``_fsdp_param_groups``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    stream = state._device_handle.current_stream()
+    ctx = state._comm_ctx
+    if ctx.all_gather_state is not None:
+        if ctx.all_gather_state.event is not None:
+            stream.wait_event(ctx.all_gather_state.event)
+        ctx.all_gather_state = None
+    if hasattr(ctx, "reduce_scatter_states"):  # 2.12
+        rs_states, ctx.reduce_scatter_states = list(ctx.reduce_scatter_states), []
+    else:  # 2.11
+        rs_states, ctx.reduce_scatter_state = [ctx.reduce_scatter_state], None
+    for rs_state in rs_states:
+        if rs_state is not None and rs_state.event is not None:
+            stream.wait_event(rs_state.event)
+    ctx.post_forward_order.clear()
+    for each in state._state_ctx.all_states:
+        each._modules_to_run_forward.clear()
+        each._training_state = TrainingState.IDLE
+        groups = getattr(each, "_fsdp_param_groups", None)
+        for group in groups if groups is not None else [each._fsdp_param_group]:
+            if group is not None:
+                _fsdp_reset_param_group(group, stream, TrainingState.IDLE)
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
+def _fsdp_reset_param_group(group, stream, idle) -> None:
+    """torch 2.13's ``FSDPParamGroup._reset_iter_state`` (see _fsdp_reset_iter_state)."""
+    if group._all_gather_result is not None:
+        if group._all_gather_result.all_gather_event is not None:
+            stream.wait_event(group._all_gather_result.all_gather_event)
+        work = group._all_gather_result.all_gather_work
+        if isinstance(work, torch.distributed.distributed_c10d.Work):
+            work.wait()
+        group._all_gather_result = None
+    if group._post_reduce_event is not None:
+        stream.wait_event(group._post_reduce_event)
+        group._post_reduce_event = None
+    if group._all_reduce_state is not None and group._all_reduce_state.event is not None:
+        stream.wait_event(group._all_reduce_state.event)
+    group._all_reduce_state = None
+    if group._reshard_after_forward_event is not None:
+        group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+        group._reshard_after_forward_event = None
+    group._partial_reduce_output = None
+    group._post_forward_indices.clear()
+    group._training_state = idle
+    group._to_sharded()
 
 
 def fsdp_mixed_precision(mp_policy):
@@ -224,10 +343,6 @@ def global_offset(dtensor) -> tuple[int, ...]:
     )
     return tuple(offset)
 
-
-def flatten_mesh(mesh, name: str):
-    """A 1-D mesh over all of ``mesh``'s dims (DeviceMesh._flatten)."""
-    return mesh._flatten(name)
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -454,6 +454,9 @@ def test_meshes_share_the_groups_of_earlier_meshes_over_the_same_ranks(fake_four
     from amsp_dtensor.engine.mesh import mesh_info
     from tools import bench_systems as S
 
+    import torch.distributed.distributed_c10d as c10d
+
+    monkeypatch.setattr(c10d, "new_group", c10d.new_group)  # the pool replaces it: restored
     made = []
     torch_new_group = device_mesh.new_group
     monkeypatch.setattr(device_mesh, "new_group",

@@ -97,6 +97,53 @@ def test_the_installed_torch_picks_its_own_timeout_setter():
     assert compat.public_set_timeout() is getattr(dist, "set_timeout", None)
 
 
+_TORCH_2_11_DIST = types.SimpleNamespace(  # no *_single forms (torch 2.11, 2.12)
+    all_gather_into_tensor=None, reduce_scatter_tensor=None)
+_TORCH_2_13_TENSOR_DIST = types.SimpleNamespace(
+    all_gather_single=None, reduce_scatter_single=None, all_gather_into_tensor=None,
+    reduce_scatter_tensor=None)
+
+
+def test_reset_by_hand_is_chosen_where_fsdp_has_no_reset():
+    assert compat.fsdp_has_reset_iter_state(types.SimpleNamespace(reset_iter_state=None))
+    assert not compat.fsdp_has_reset_iter_state(types.SimpleNamespace())
+    by_hand = ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+               "FSDPParamGroup._to_sharded")
+    assert by_hand in compat.private_names(fsdp_module_cls=types.SimpleNamespace())
+    assert by_hand not in compat.private_names(
+        fsdp_module_cls=types.SimpleNamespace(reset_iter_state=None))
+
+
+def test_tensor_collectives_take_the_names_each_torch_has():
+    assert compat.tensor_collective_names(_TORCH_2_11_DIST) == {
+        "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    assert compat.tensor_collective_names(_TORCH_2_13_TENSOR_DIST) == {
+        "all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    have_single = hasattr(dist, "all_gather_single")
+    assert compat.TENSOR_COLLECTIVES["all_gather"] == (
+        "all_gather_single" if have_single else "all_gather_into_tensor")
+
+
+@pytest.mark.parametrize("names", ["2.11", "2.13"])
+def test_tensor_collectives_call_the_chosen_name_at_call_time(monkeypatch, names):
+    """The call goes to the name chosen for this torch, looked up on torch.distributed
+    when called (a wrapper installed there later sees it), with the same arguments."""
+    calls = []
+    chosen = compat.tensor_collective_names(
+        _TORCH_2_11_DIST if names == "2.11" else _TORCH_2_13_TENSOR_DIST)
+    monkeypatch.setattr(compat, "TENSOR_COLLECTIVES", chosen)
+    for op, name in chosen.items():
+        monkeypatch.setattr(dist, name, lambda *a, _op=op, **kw: calls.append((_op, a, kw)) or "w",
+                            raising=False)
+    out, inp, group = torch.zeros(1), torch.zeros(2), object()
+    assert compat.all_gather_single(out, inp, group=group, async_op=True) == "w"
+    assert compat.reduce_scatter_single(out, inp, group=group) == "w"
+    assert calls == [
+        ("all_gather", (out, inp), dict(group=group, async_op=True)),
+        ("reduce_scatter", (out, inp), dict(op=dist.ReduceOp.SUM, group=group, async_op=False)),
+    ]
+
+
 class _FSDPParam_2_13:  # plain per-instance state (torch 2.13, 2.14)
     unsharded_accumulated_grad: torch.Tensor | None
 
@@ -190,15 +237,27 @@ def _interrupted_unit(mesh):
     return model, reference, x
 
 
-def test_reset_after_an_interrupted_backward_drops_its_grads(one_rank):
+@pytest.mark.parametrize("reset", ["installed", "by_hand"])
+def test_reset_after_an_interrupted_backward_drops_its_grads(one_rank, monkeypatch, reset):
     """On the installed torch, fsdp_reset_iteration leaves no gradient of the failed
     backward behind (by the workaround or by FSDP2's own reset), and the retried backward
-    gives the plain model's gradients."""
+    gives the plain model's gradients. "by_hand": FSDPModule without ``reset_iter_state``
+    (torch 2.11, 2.12), so compat's own reset runs, here on the installed FSDP2's state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if reset == "by_hand" and compat.fsdp_has_reset_iter_state():
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    if reset == "by_hand":
+        assert not compat.fsdp_has_reset_iter_state()
     model, reference, x = _interrupted_unit(one_rank)
     stale = compat.fsdp_unsharded_grads(model)
     assert [g is not None for g in stale] == [False, False, True, True]  # the 2nd linear's
     compat.fsdp_reset_iteration(model)
     assert compat.fsdp_unsharded_grads(model) == [None] * 4
+    state = model._get_fsdp_state()
+    assert state._state_ctx.iter_forward_root is None
+    assert state._training_state.name == "IDLE"
+    assert all(p.sharded_state.name == "SHARDED" for p in compat.fsdp_params(model))
     model(x).square().sum().backward()
     reference(x).square().sum().backward()
     for (name, ref), param in zip(reference.named_parameters(), model.parameters()):
@@ -244,8 +303,13 @@ def test_fsdp_instance_internals_on_a_real_unit(tmp_path):
         assert compat.fsdp_copy_in_stream(model) is not None
         assert compat.fsdp_reduce_scatter_stream(model) is not None
         assert compat.global_offset(params[0].sharded_param) == (0, 0)
-        assert compat.flatten_mesh(torch.distributed.device_mesh.init_device_mesh(
-            "cpu", (1, 1), mesh_dim_names=("a", "b")), "ab").size() == 1
+        # the tensor collectives under this torch's names, on a real one-rank group
+        out = torch.zeros(3)
+        assert compat.all_gather_single(out, torch.arange(3.0)) is None
+        assert out.tolist() == [0.0, 1.0, 2.0]
+        work = compat.reduce_scatter_single(out, torch.full((3,), 2.0), async_op=True)
+        work.wait()
+        assert out.tolist() == [2.0, 2.0, 2.0]
     finally:
         if owned:
             dist.destroy_process_group()

@@ -29,7 +29,9 @@ def _checks(rank: int) -> dict:
     from tools import bench_comm as C
 
     counter = C.install(ranks_per_node=1)  # one rank per node: every group crosses nodes
-    assert C.install(1) is counter and dist.all_gather_single is c10d.all_gather_single
+    # this torch's base tensor forms (*_single from 2.13; the *_tensor forms before)
+    ag_name, rs_name = C._AG, C._RS
+    assert C.install(1) is counter and getattr(dist, ag_name) is getattr(c10d, ag_name)
     out: dict = {}
     r = float(rank + 1)
 
@@ -37,14 +39,15 @@ def _checks(rank: int) -> dict:
         res = {}
         with C.mode(mode), counter.recording():
             ag = torch.zeros(4)
-            w1 = dist.all_gather_single(ag, torch.full((2,), r), async_op=async_op)
+            w1 = getattr(dist, ag_name)(ag, torch.full((2,), r), async_op=async_op)
             rs = torch.zeros(2)
-            w2 = dist.reduce_scatter_single(rs, torch.arange(4.0) + 10 * rank, async_op=async_op)
+            w2 = getattr(dist, rs_name)(rs, torch.arange(4.0) + 10 * rank, async_op=async_op)
             ar = torch.full((3,), r)
             w3 = dist.all_reduce(ar, async_op=async_op)
             bc = torch.full((2,), r)
             w4 = dist.broadcast(bc, src=0, async_op=async_op)
-            # the deprecated form forwards to the wrapped module global: counted once
+            # the deprecated form forwards to the wrapped module global (2.13+), or is the
+            # base form (2.11, 2.12): counted once either way
             ag2 = torch.zeros(2, 2)
             w5 = c10d.all_gather_into_tensor(ag2, torch.full((1, 2), r), async_op=async_op)
             works = [w1, w2, w3, w4, w5]

@@ -1,7 +1,9 @@
 """Every torch.distributed collective of a step, counted and optionally faked.
 
 The Python entry points are wrapped once per process, in ``torch.distributed`` and
-``distributed_c10d`` (the deprecated forms forward to ``*_single``: nothing counts twice).
+``distributed_c10d``: this torch's base tensor forms (``*_single`` from torch 2.13, which the
+deprecated forms forward to; ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before),
+so nothing counts twice.
 ``counter.recording()`` counts (op, group size, bytes as the AMSP recorder counts them,
 crosses nodes). Modes (process-wide; switch only while nothing is in flight): ``real``;
 ``noop``, local copies of the same shapes (the step's time is its compute); ``serial``,
@@ -17,9 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from amsp_dtensor import compat
+
 MODES = ("real", "noop", "serial")
 # name -> (op, index of the buffer among the call's tensor arguments, index of async_op)
-_WRAPPED = {"all_gather_single": ("all_gather", 0, 3), "reduce_scatter_single": ("reduce_scatter", 1, 4),
+_AG, _RS = compat.TENSOR_COLLECTIVES["all_gather"], compat.TENSOR_COLLECTIVES["reduce_scatter"]
+_WRAPPED = {_AG: ("all_gather", 0, 3), _RS: ("reduce_scatter", 1, 4),
             "all_reduce": ("all_reduce", 0, 3), "broadcast": ("broadcast", 0, 3),
             "reduce": ("reduce", 0, 4), "all_gather": ("all_gather", 0, 3),
             "reduce_scatter": ("reduce_scatter", 1, 4)}
@@ -65,10 +70,10 @@ class CommCounter:
 
 
 def _noop(name: str, tensors: list) -> None:
-    if name == "all_gather_single":
+    if name == _AG:
         out, inp = tensors[0], tensors[1].reshape(-1)
         out.view(-1).view(-1, inp.numel()).copy_(inp.unsqueeze(0).expand(out.numel() // inp.numel(), -1))
-    elif name == "reduce_scatter_single":  # a chunk of the right size; values are moot
+    elif name == _RS:  # a chunk of the right size; values are moot
         out, inp = tensors[0], tensors[1]
         out.view(-1).copy_(inp.reshape(-1)[:out.numel()])
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed import device_mesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -272,6 +273,8 @@ class GroupPool:
         self._asked: collections.Counter = collections.Counter()
         self._new_group = device_mesh.new_group
         device_mesh.new_group = self.new_group  # what DeviceMesh builds its dims with
+        # and what new_subgroups_by_enumeration calls (AMSP's "shard" group, engine/mesh.py)
+        c10d.new_group = self.new_group
 
     def new_group(self, ranks=None, **options):
         key = (tuple(ranks or ()), *sorted((k, repr(v)) for k, v in options.items()

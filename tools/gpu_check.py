@@ -7,7 +7,8 @@ CUDA stream order and the step lifecycle, in one command.
 For a plan with a post-step all-gather (s_os > s_p) and overlap_param_update=True, units cut
 as torchtitan cuts them: 1. every unit's FSDP2 all-gather input is the P shard after the
 unpack, even with the unpack delayed on the compute stream (the copy-in stream waits for
-it, engine/streams.py rule 4; the mutant removes that wait); 2. the P shard holds the fp32
+it, engine/streams.py rule 4; the mutant removes that wait; units with s_p = 1 hold whole
+parameters and have no FSDP all-gather, so it is checked on FSDP units only); 2. the P shard holds the fp32
 masters' new values after the landing; 3. on CUDA the gradient path ran on the grad stream
 and the synced G is readable after backward (rules 1 to 3); 4. after backward every unit is
 SYNCED or REDUCING, SYNCED once those complete, UPDATED after landing. Exit 0 and
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     optim.step()
     masters = {id(u): [m.to_local().detach().clone() for m in ms] for u, ms in optim._unit_masters}
     captured.clear()
+    checked = {"all-gather input": 0, "landed P rows": 0}
     if device.type == "cuda":
         _delay_unpacks(state, args.sleep_cycles)
     with torch.no_grad():
@@ -90,14 +92,17 @@ def main(argv=None) -> int:
     for unit in state.units:
         if unit.step_state is not StepState.UPDATED:
             failures.append(f"{unit.name}: {unit.step_state.value} after the forward")
-        shard = torch.cat([compat.fsdp_sharded_storage(fp).reshape(-1)
-                           for fp in compat.fsdp_params(unit.module)])
-        inputs = captured.get(id(unit.module), [])
-        if not inputs:
-            failures.append(f"{unit.name}: no all-gather captured")
-        elif not torch.equal(inputs[0], shard):
-            failures.append(f"{unit.name}: the all-gather input is not the landed P shard "
-                            "(copy-in ran before the unpack)")
+        if unit.uses_fsdp:  # check 1; a unit with s_p = 1 holds whole params: no all-gather
+            checked["all-gather input"] += 1
+            shard = torch.cat([compat.fsdp_sharded_storage(fp).reshape(-1)
+                               for fp in compat.fsdp_params(unit.module)])
+            inputs = captured.get(id(unit.module), [])
+            if not inputs:
+                failures.append(f"{unit.name}: no all-gather captured")
+            elif not torch.equal(inputs[0], shard):
+                failures.append(f"{unit.name}: the all-gather input is not the landed P "
+                                "shard (copy-in ran before the unpack)")
+        checked["landed P rows"] += 1
         for local, master in zip(_os_rows_of_p(unit), masters[id(unit)]):
             if not torch.equal(local, master.to(local.dtype).reshape(local.shape)):
                 failures.append(f"{unit.name}: P rows differ from the new masters")
@@ -107,7 +112,8 @@ def main(argv=None) -> int:
     if not failures:
         print(f"gpu_check: OK ({args.device}, rank {args.rank} of {args.world}, plan "
               f"{args.plan}, {len(state.units)} units"
-              + (f", mutant {args.mutant}" if args.mutant else "") + ")")
+              + (f", mutant {args.mutant}" if args.mutant else "") + "); checked per unit: "
+              + ", ".join(f"{what} {n}" for what, n in checked.items()))
     return 1 if failures else 0
 
 

@@ -121,12 +121,12 @@ class Collectives:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
                    codec: str | None = None):
-        work = dist.all_gather_single(output, input, group=self.info.group(dim), async_op=True)
+        work = compat.all_gather_single(output, input, group=self.info.group(dim), async_op=True)
         args = self._event_args("all_gather", dim, _nbytes(output), phase, codec)
         return PendingComm(work, args, output)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
-        work = dist.reduce_scatter_single(
+        work = compat.reduce_scatter_single(
             output, input, op=dist.ReduceOp.SUM, group=self.info.group(dim), async_op=True
         )
         return PendingComm(

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import compat
 from . import handle
 from ..plan import ResolvedPlan, ShardingPlan
 from ..plan.sharding_plan import data_parallel_world
@@ -65,7 +64,7 @@ class MeshInfo:
         """Process group of a mesh dim, or "shard" = p x g x os (one full model copy)."""
         if dim not in self._groups:
             if dim == "shard":
-                self._groups[dim] = compat.flatten_mesh(self.mesh["p", "g", "os"], "shard").get_group()
+                self._groups[dim] = _shard_group(self.mesh)
             else:
                 self._groups[dim] = self.mesh[dim].get_group()
         return self._groups[dim]
@@ -110,6 +109,24 @@ class MeshInfo:
         if self.plan.s_os == self.plan.s_p:
             return None
         return "g" if self.plan.s_g > self.plan.s_p else "os"
+
+
+def _shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """This rank's "shard" group: the ranks of its (tp, rep) coordinate, all of p x g x os.
+
+    [Note: the shard group without mesh slicing] Built from the mesh's rank tensor with
+    the public ``new_subgroups_by_enumeration`` rather than by slicing and flattening the
+    mesh (``mesh["p", "g", "os"]._flatten()``): torch 2.11 and 2.12 refuse that slice
+    whenever two of the three dims have size 1 (plan (16, 16, 16) on 16 ranks: ``KeyError:
+    "Invalid mesh_dim_names ('p', 'g', 'os') specified. Mesh dim indices should be in
+    ascending order."``). Every rank makes every row's group, in row order, as the
+    flatten does; a group's ranks are its row, which new_group orders by rank as it
+    orders every mesh dim's group.
+    """
+    lead = mesh.ndim - len(("p", "g", "os"))  # ("tp",) "rep" come first in DTensor order
+    rows = mesh.mesh.reshape(-1, *mesh.mesh.shape[lead:]).flatten(1).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(rows, group_desc="shard")
+    return group
 
 
 # The MeshInfo lives on the DeviceMesh object itself (handle.py's Note says why).

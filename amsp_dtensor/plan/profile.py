@@ -80,9 +80,9 @@ def groups_of(size: int, stride: int, world_size: int) -> list[list[int]]:
 
 def _run(op, group, buf_in, buf_out, src):
     if op == "all_gather":
-        dist.all_gather_single(buf_out, buf_in, group=group)
+        compat.all_gather_single(buf_out, buf_in, group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(buf_out, buf_in, group=group)
+        compat.reduce_scatter_single(buf_out, buf_in, group=group)
     elif op == "all_reduce":
         dist.all_reduce(buf_in, group=group)
     else:

@@ -48,8 +48,10 @@ RSS_IMPORT_TORCH = None
 class CommTimer:
     """Make dist collectives synchronous and time them (see module docstring)."""
 
-    NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
-             "all_gather_single", "reduce_scatter_single")  # *_single: FSDP2's and ours
+    # the deprecated tensor forms and this torch's base names (compat's Note: the tensor
+    # collectives' names): FSDP2's and ours
+    NAMES = tuple(dict.fromkeys(("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+                                 "broadcast", *compat.TENSOR_COLLECTIVES.values())))
 
     def __init__(self):
         self.active = False
@@ -114,7 +116,7 @@ def _probe_inside(dist, mesh=None) -> dict:
             if op == "all_reduce":
                 dist.all_reduce(x, group=group)
             else:
-                dist.reduce_scatter_single(y, x, group=group)
+                compat.reduce_scatter_single(y, x, group=group)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             samples.append(dt.item())
@@ -140,8 +142,8 @@ def _warm_runtime(Transformer, margs_cls) -> None:
     world = dist.get_world_size()
     x = torch.ones(64 * world)
     dist.all_reduce(x)
-    dist.all_gather_single(torch.empty(64 * world * world), x)
-    dist.reduce_scatter_single(torch.empty(64), x)
+    compat.all_gather_single(torch.empty(64 * world * world), x)
+    compat.reduce_scatter_single(torch.empty(64), x)
     dist.broadcast(x, src=0)
     del tiny, opt, logits
 
