@@ -129,15 +129,23 @@ def _delay_unpacks(state, cycles: int) -> None:
             module.register_forward_pre_hook(lambda *_: compat.cuda_sleep(cycles), prepend=True)
 
 
+def _fill_like_every_rank(output: torch.Tensor, input: torch.Tensor) -> None:
+    """An all-gather's output as if every rank held this rank's input (the fake backend
+    moves no data and leaves the output as allocated)."""
+    output.view(-1, input.numel()).copy_(input.reshape(1, -1).expand(
+        output.numel() // input.numel(), -1))
+
+
 def _fill_engine_all_gathers(collectives) -> None:
-    """The fake backend moves no data: the engine's all-gather output gets the input in
-    every rank's slot (as if every rank held the same rows), so the unpack is checkable."""
+    """The engine's all-gather outputs filled (_fill_like_every_rank), so the unpack is
+    checkable; FSDP2's are filled too (_capture_all_gather_inputs). Left unfilled, the
+    forward reads whatever memory the allocator hands out, and NaN there made the masters
+    NaN and every equality check fail in about 1 run of 4 (seen on torch 2.11)."""
     original = collectives.Collectives.all_gather
 
     def all_gather(self, output, input, dim, phase):
         pending = original(self, output, input, dim, phase)
-        output.view(-1, input.numel()).copy_(input.reshape(1, -1).expand(
-            output.numel() // input.numel(), -1))
+        _fill_like_every_rank(output, input)
         return pending
 
     collectives.Collectives.all_gather = all_gather
@@ -156,7 +164,9 @@ def _capture_all_gather_inputs(state) -> dict:
             def __call__(self, output_tensor, input_tensor, group, async_op=False,
                          _key=id(unit.module)):
                 captured.setdefault(_key, []).append(input_tensor.detach().clone())
-                return super().__call__(output_tensor, input_tensor, group, async_op)
+                work = super().__call__(output_tensor, input_tensor, group, async_op)
+                _fill_like_every_rank(output_tensor, input_tensor)
+                return work
 
         unit.module.set_custom_all_gather(Capturing(state.collectives))
     return captured
