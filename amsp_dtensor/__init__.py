@@ -13,7 +13,8 @@ from .engine.mesh import init_mesh
 from .observe import CommEvent, CommRecorder, record_comms
 from .observe.backward_memory import track_backward_memory
 from .observe.memory import memory_by_state
-from .engine.optim import AMSPOptimizer
+from .engine.optim import AMSPOptimizer, clip_grad_norm_
+from .engine.pipeline import pipeline_stage
 from .engine.param_update import ParamWrittenWhilePending
 from .engine.overlap import Overlap, set_overlap
 from .engine.compression import Compression, set_compression
@@ -40,6 +41,8 @@ __all__ = [
     "fully_shard",
     "gather_full",
     "init_mesh",
+    "clip_grad_norm_",
+    "pipeline_stage",
     "memory_by_state",
     "no_sync",
     "record_comms",

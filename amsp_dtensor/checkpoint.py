@@ -353,7 +353,7 @@ OTHER_SETTINGS = " (other optimizer settings?)"
 
 def check_entries_fit(path: str | Path, state: dict[str, Any],
                       sections: list[tuple[str, str, str]], others: tuple[str, ...] = (),
-                      metadata: Metadata | None = None) -> None:
+                      metadata: Metadata | None = None, partial: bool = False) -> None:
     """Compare the tensors of ``state`` with the checkpoint's metadata (a local file read,
     unless the caller passes ``metadata``), one section at a time: ``(key prefix, what to
     call it, hint)``. The prefix "" means the tensors at the top level (where torchtitan
@@ -381,6 +381,8 @@ def check_entries_fit(path: str | Path, state: dict[str, Any],
             wanted = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
             have = {k: v for k, v in stored.items()
                     if not any(k.startswith(p.split(".")[0] + ".") for p in nested)}
+        if partial:
+            have = {k: v for k, v in have.items() if k in wanted}
         _compare(path, what, prefix, wanted, have, hint)
 
 

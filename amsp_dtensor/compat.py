@@ -142,6 +142,8 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torchtitan.components.optimizer", "OptimizersContainer._validate_length"),
     ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
+    ("torch.distributed.pipelining._backward", "stage_backward"),
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
@@ -486,6 +488,30 @@ def in_backward() -> bool:
 def queue_end_of_backward_callback(callback) -> None:
     """Run ``callback`` once the current backward has finished (not after an exception)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def pipeline_stage_base() -> type:
+    """The base class of torch's pipeline stages (``PipelineStage`` and the tracer's)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return _PipelineStageBase
+
+
+def pipeline_schedule_stages(schedule) -> list:
+    """The stages a ``torch.distributed.pipelining`` schedule runs on this rank (its
+    ``_stage`` when single-stage, its ``_stages`` otherwise; checked on real schedules by
+    tests/test_pipeline.py)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def pipeline_stage_backward(stage_output, output_grads, input_values):
+    """One micro-batch's full backward of a pipeline stage, as torch's ``PipelineStage``
+    runs it (``torch.distributed.pipelining._backward.stage_backward``): autograd over
+    the stage's outputs, returning the gradients of its inputs."""
+    from torch.distributed.pipelining._backward import stage_backward
+
+    return stage_backward(stage_output, output_grads, input_values)
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------

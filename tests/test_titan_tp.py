@@ -83,16 +83,16 @@ def _main(argv, monkeypatch, capsys, rank=0):
 
 @pytest.mark.parametrize("argv, starts_with", [
     (["--parallelism.context_parallel_degree", "2"],
-     "parallelism.context_parallel_degree=2: AMSP composes with data and tensor parallelism only"),
-    (["--parallelism.pipeline_parallel_degree", "2"],
-     "parallelism.pipeline_parallel_degree=2: AMSP composes with data and tensor parallelism only"),
+     "parallelism.context_parallel_degree=2: AMSP composes with data, tensor and pipeline "
+     "parallelism only"),
     (["--parallelism.expert_parallel_degree", "2"],
-     "parallelism.expert_parallel_degree=2: AMSP composes with data and tensor parallelism only"),
+     "parallelism.expert_parallel_degree=2: AMSP composes with data, tensor and pipeline "
+     "parallelism only"),
     (["--parallelism.tensor_parallel_degree", "4"],  # the recipe's [amsp] ranks_per_node = 2
      "parallelism.tensor_parallel_degree=4: does not divide the 2 ranks per node"),
     (["--parallelism.tensor_parallel_degree", "2"],  # the recipe's optim_shard = 4 > dp 2
      "amsp.optim_shard=4: does not divide the world size 2"),
-], ids=["cp", "pp", "ep", "tp-not-dividing-ranks-per-node", "factor-outside-the-dp-world"])
+], ids=["cp", "ep", "tp-not-dividing-ranks-per-node", "factor-outside-the-dp-world"])
 def test_parallelism_refusals_are_one_line_before_start_up(argv, starts_with, monkeypatch, capsys):
     code, err = _main(argv, monkeypatch, capsys)
     assert code == 2

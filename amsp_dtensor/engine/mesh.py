@@ -18,6 +18,18 @@ DTensor order so that a tensor sharded by TP on dim 0 (ColwiseParallel) and by A
 the rows of its TP-local piece reads as Shard(0) on "tp", then on "p", "g", "os": the
 nesting is the same rule as above, one level out. With ``tp = 1`` the mesh is the 4-D
 one, unchanged.
+
+[Note: pipeline parallelism] With ``pp > 1`` the job's ranks are split into pp stages
+of W/pp consecutive ranks (pp outermost in rank order, as torchtitan builds its mesh), and
+``init_mesh`` returns a mesh with a "pp" dim first: ``mesh["pp"]`` is the group of one
+pipeline (one rank per stage), for ``PipelineStage(..., group=mesh["pp"].get_group())``.
+Inside a stage the mesh is the one above (with "tp" when tp > 1) over that stage's
+ranks, and the plan's factors are those of the stage's data-parallel world (W/pp/tp
+ranks). A stage spans whole nodes or several stages share one node, so the DP ranks per
+node are min(R, W/pp)/tp. Parameters, masters and collectives live on the stage's DP
+sub-mesh (``MeshInfo.mesh``): a module sharded on a pp mesh is a model of that stage
+alone, exactly as without pp; only the global grad norm reaches across stages (over
+``MeshInfo.pp_group``). With ``pp = 1`` the mesh is the one above, unchanged.
 """
 
 from __future__ import annotations
@@ -37,8 +49,9 @@ from ..plan.sharding_plan import data_parallel_world
 
 MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
+PP_DIM = "pp"
 
-__all__ = ["MESH_DIMS", "TP_DIM", "init_mesh", "MeshInfo", "mesh_info"]
+__all__ = ["MESH_DIMS", "PP_DIM", "TP_DIM", "init_mesh", "MeshInfo", "mesh_info"]
 
 
 @dataclass
@@ -48,13 +61,25 @@ class MeshInfo:
     mesh: DeviceMesh
     plan: ResolvedPlan  # resolved over the data-parallel world (W / tp ranks)
     tp: int = 1  # tensor-parallel degree: the size of the "tp" dim (no such dim when 1)
+    # pipeline-parallel degree, and the job's mesh with its "pp" dim (``mesh`` is then this
+    # stage's sub-mesh: the Note on pipeline parallelism); None when pp is 1
+    pp: int = 1
+    pp_mesh: DeviceMesh | None = None
+    job_ranks_per_node: int | None = None  # set when pp > 1 (a stage may be under a node)
     _groups: dict = field(default_factory=dict)
     _crosses_nodes: dict = field(default_factory=dict)
 
     @property
     def ranks_per_node(self) -> int:
-        """Ranks per node of the job (DP ranks per node times tp)."""
+        """Ranks per node of the job (DP ranks per node times tp, without pp)."""
+        if self.job_ranks_per_node is not None:
+            return self.job_ranks_per_node
         return self.plan.ranks_per_node * self.tp
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank's pipeline (one rank per stage); None without pp."""
+        return self.pp_mesh[PP_DIM].get_group() if self.pp_mesh is not None else None
 
     def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D "tp" sub-mesh, for ``parallelize_module`` (None without TP)."""
@@ -62,6 +87,8 @@ class MeshInfo:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """Process group of a mesh dim, or "shard" = p x g x os (one full model copy)."""
+        if dim == PP_DIM:
+            return self.pp_group
         if dim not in self._groups:
             if dim == "shard":
                 self._groups[dim] = _shard_group(self.mesh)
@@ -74,6 +101,8 @@ class MeshInfo:
             return self.plan.s_os
         if dim == TP_DIM:
             return self.tp
+        if dim == PP_DIM:
+            return self.pp
         return self.plan.mesh_shape[dim]
 
     def crosses_nodes(self, dim: str) -> bool:
@@ -152,6 +181,7 @@ def init_mesh(
     ranks_per_node: int | None = None,
     device_type: str | None = None,
     tp: int = 1,
+    pp: int = 1,
 ) -> DeviceMesh:
     """Build the AMSP DeviceMesh for ``plan`` over the default process group.
 
@@ -161,6 +191,10 @@ def init_mesh(
     ``ranks_per_node``, and the plan's factors are then those of the data-parallel world
     (world / tp ranks, ranks_per_node / tp per node). Apply TP with
     ``parallelize_module(model, mesh["tp"], ...)`` before ``amsp.fully_shard``.
+    ``pp``: the pipeline-parallel degree (the Note on pipeline parallelism): the mesh
+    gets a "pp" dim first, and the plan's factors are those of one stage's data-parallel
+    world (world / pp / tp ranks). Shard each stage's module on this mesh, and hand
+    ``mesh["pp"].get_group()`` to torch's ``PipelineStage``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -170,11 +204,15 @@ def init_mesh(
     world_size = dist.get_world_size()
     if ranks_per_node is None:
         ranks_per_node = _ranks_per_node_from_env(world_size)
+    job_world, job_per_node = world_size, ranks_per_node
+    if pp != 1 or isinstance(pp, bool):
+        world_size, ranks_per_node = _stage_world(pp, ranks_per_node, world_size)
     _check_tp(tp, ranks_per_node, world_size)
     dp_world, dp_per_node = world_size // tp, ranks_per_node // tp
     if isinstance(plan, ResolvedPlan):
         if plan.world_size != dp_world or plan.ranks_per_node != dp_per_node:
-            under = f" under tp={tp}" if tp > 1 else ""
+            under = " and ".join(f"{n}={d}" for n, d in (("pp", pp), ("tp", tp)) if d > 1)
+            under = f" under {under}" if under else ""
             raise ValueError(
                 f"plan was resolved for world {plan.world_size} x {plan.ranks_per_node} per "
                 f"node, but this job has {dp_world} data-parallel ranks, {dp_per_node} per "
@@ -183,12 +221,14 @@ def init_mesh(
             )
         resolved = plan
     elif isinstance(plan, ShardingPlan):
-        resolved = _resolve_under_tp(plan, dp_world, dp_per_node, tp)
+        resolved = _resolve_under_tp(plan, dp_world, dp_per_node, tp, pp)
     else:
         raise TypeError(
             f"plan must be amsp.ShardingPlan (or a resolved plan), got {type(plan).__name__}"
         )
     device_type = device_type or _default_device_type()
+    if pp > 1:
+        return _init_pipeline_mesh(resolved, device_type, job_world, job_per_node, tp, pp)
     shape = resolved.mesh_shape
     if tp == 1:
         rank_tensor = (
@@ -215,6 +255,53 @@ def init_mesh(
     return mesh
 
 
+def _stage_rank_tensor(shape: dict, stage_world: int, tp: int) -> torch.Tensor:
+    """The rank tensor of one stage's mesh (stage-local ranks), as init_mesh builds it."""
+    if tp == 1:
+        return (torch.arange(stage_world)
+                .reshape(shape["rep"], shape["os"], shape["g"], shape["p"])
+                .permute(0, 3, 2, 1))
+    return (torch.arange(stage_world)
+            .reshape(shape["rep"], shape["os"], shape["g"], shape["p"], tp)
+            .permute(4, 0, 3, 2, 1))
+
+
+def _init_pipeline_mesh(resolved, device_type, world_size, ranks_per_node, tp, pp):
+    """The Note on pipeline parallelism: ("pp", ["tp",] "rep", "p", "g", "os")."""
+    stage_world = world_size // pp
+    stage = _stage_rank_tensor(resolved.mesh_shape, stage_world, tp)
+    rank_tensor = torch.stack([stage + i * stage_world for i in range(pp)]).contiguous()
+    stage_dims = (*((TP_DIM,) if tp > 1 else ()), *MESH_DIMS)
+    mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=(PP_DIM, *stage_dims))
+    stage_mesh = mesh[stage_dims]
+    info = MeshInfo(stage_mesh, resolved, tp=tp, pp=pp, pp_mesh=mesh,
+                    job_ranks_per_node=ranks_per_node)
+    for dim in (*MESH_DIMS, "shard", *((TP_DIM,) if tp > 1 else ())):
+        info.group(dim)
+    info.pp_group  # made now, on every rank (group creation is collective)
+    handle.set_mesh_info(mesh, info)
+    handle.set_mesh_info(stage_mesh, info)
+    return mesh
+
+
+def _stage_world(pp, ranks_per_node: int, world_size: int) -> tuple[int, int]:
+    """(ranks of one pipeline stage, of them per node): pp divides the world, and a
+    stage spans whole nodes or fits in one."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be a positive int (the pipeline-parallel degree), got {pp!r}")
+    if world_size % pp:
+        raise ValueError(f"pp={pp} does not divide the world size {world_size}: every "
+                         "pipeline stage needs the same number of ranks")
+    stage = world_size // pp
+    if stage % ranks_per_node and ranks_per_node % stage:
+        raise ValueError(
+            f"pp={pp} on {world_size} ranks, {ranks_per_node} per node: a stage of {stage} "
+            "ranks must span whole nodes or fit in one (stages are consecutive ranks, pp "
+            "outermost); choose pp so that world/pp is a multiple or a divisor of the ranks "
+            "per node")
+    return stage, min(stage, ranks_per_node)
+
+
 def _check_tp(tp, ranks_per_node: int, world_size: int) -> None:
     """tp divides the ranks per node, and the world is whole nodes (plan/sharding_plan.py)."""
     if tp == 1 and not isinstance(tp, bool):
@@ -222,14 +309,17 @@ def _check_tp(tp, ranks_per_node: int, world_size: int) -> None:
     data_parallel_world(world_size, ranks_per_node, tp, name="tp")
 
 
-def _resolve_under_tp(plan: ShardingPlan, dp_world: int, dp_per_node: int, tp: int):
-    if tp == 1:
+def _resolve_under_tp(plan: ShardingPlan, dp_world: int, dp_per_node: int, tp: int,
+                      pp: int = 1):
+    if tp == 1 and pp == 1:
         return plan.resolve(dp_world, dp_per_node)
     try:
         return plan.resolve(dp_world, dp_per_node)
     except ValueError as e:
+        under = " and ".join(f"{n}={d}" for n, d in (("pp", pp), ("tp", tp)) if d > 1)
+        world = "data-parallel world" if pp == 1 else "data-parallel world of one stage"
         raise ValueError(
-            f"under tp={tp} the plan's factors are those of the data-parallel world "
+            f"under {under} the plan's factors are those of the {world} "
             f"({dp_world} ranks, {dp_per_node} per node): {e}"
         ) from None
 

@@ -346,15 +346,16 @@ class AMSPOptimizer(torch.optim.Optimizer):
         the s_os ranks of a "shard" group: a single all-reduce of one scalar over that
         group gives the global norm. Under tensor parallelism a second one over "tp" adds
         the other TP pieces; a param every tp rank holds whole (a SequenceParallel norm)
-        is counted on tp rank 0 only. Same clip rule as torch.nn.utils.clip_grad_norm_.
+        is counted on tp rank 0 only. Under pipeline parallelism a third one over "pp"
+        adds the other stages' (this optimizer must then be the rank's only one: with
+        several stages on a rank, use ``amsp.clip_grad_norm_`` over all their
+        optimizers). Same clip rule as torch.nn.utils.clip_grad_norm_.
         """
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be positive, got {max_norm}")
-        with record_function("AMSP::clip_grad_norm"):
-            return self._clip_grad_norm(max_norm, norm_type)
+        return clip_grad_norm_([self], max_norm, norm_type)
 
-    def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+    def _norm_total(self, norm_type: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(this model's sum of |g|^norm_type (max for inf) over every rank of its stage,
+        this rank's master grads)."""
         self._prepare_master_grads()
         grads = self._local_grads()
         device = self._masters[0].device if self._masters else torch.device("cpu")
@@ -374,11 +375,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._root.collectives.all_reduce(total, "shard", phase="step", op=op).wait()
         if self._root.info.tp > 1:  # TP-sharded params: each tp rank holds another piece
             self._root.collectives.all_reduce(total, "tp", phase="step", op=op).wait()
-        total_norm = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
-        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(clip_coef)
-        return total_norm
+        return total, grads
 
     # ---- step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -621,3 +618,40 @@ def _row_sharded(key: str, value, master_local: torch.Tensor) -> bool:
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
     return value.shape == master_local.shape or key == "row_var"
+
+
+@torch.no_grad()
+def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of every model of ``optimizers`` (AMSPOptimizers, one per model
+    part on this rank: pipeline stages) by their one global norm, over every stage of the
+    pipeline; returns the norm (the same on every rank). ``AMSPOptimizer.clip_grad_norm_``
+    is this over the one optimizer."""
+    if isinstance(optimizers, AMSPOptimizer):
+        optimizers = [optimizers]
+    optimizers = list(optimizers)
+    if not optimizers or not all(isinstance(o, AMSPOptimizer) for o in optimizers):
+        raise TypeError("clip_grad_norm_ expects a non-empty list of AMSPOptimizers")
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    infos = [o._root.info for o in optimizers]
+    if len({(i.pp, id(i.pp_mesh)) for i in infos}) > 1:
+        raise ValueError("clip_grad_norm_ over optimizers of models on different amsp meshes: "
+                         "every model part of one pipeline must be sharded on one mesh")
+    with record_function("AMSP::clip_grad_norm"):
+        inf = math.isinf(norm_type)
+        totals, grads = [], []
+        for optim in optimizers:
+            total, own = optim._norm_total(norm_type)
+            totals.append(total)
+            grads.extend(own)
+        total = torch.stack(totals).amax(0) if inf else torch.stack(totals).sum(0)
+        info = infos[0]
+        if info.pp > 1:  # the other stages of the pipeline
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            optimizers[0]._root.collectives.all_reduce(total, "pp", phase="step", op=op).wait()
+        total_norm = total[0] if inf else total[0].pow(1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(clip_coef)
+        return total_norm

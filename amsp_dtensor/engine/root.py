@@ -70,6 +70,9 @@ class RootState:
     grad_stream: object = None  # CUDA: the engine's grad stream (streams.py); None on CPU
     requires_grad_sync: bool = True
     gradient_divide_factor: float | None = None  # None: world size (mean over ranks)
+    # a pipeline schedule's scale_grads (its micro-batch count when it scales): the
+    # gradients are divided by it too (pipeline.py)
+    pipeline_grad_scale: float = 1.0
     backward: BackwardPass | None = None
     in_flight: list[InFlightStage] = field(default_factory=list)  # in issue order
     in_forward: bool = False  # root forward started and has not returned
@@ -88,8 +91,8 @@ class RootState:
     @property
     def divide_factor(self) -> float:
         if self.gradient_divide_factor is None:
-            return float(self.info.plan.world_size)
-        return self.gradient_divide_factor
+            return float(self.info.plan.world_size) * self.pipeline_grad_scale
+        return self.gradient_divide_factor * self.pipeline_grad_scale
 
     def iteration_aborted(self) -> bool:
         """A forward or backward raised and left its state behind (it is not running now:
@@ -177,7 +180,20 @@ class RootState:
             # the last stages of a previous backward (no step in between) land first
             self.finish_sync()
             self.backward = BackwardPass(sync=self.requires_grad_sync)
-            compat.queue_end_of_backward_callback(self._end_of_backward)
+            try:
+                compat.queue_end_of_backward_callback(self._end_of_backward)
+            except RuntimeError as e:
+                self.backward = None
+                if compat.in_backward():
+                    raise
+                # torch's PipelineStage reduces an FSDP2 module's gradients after the
+                # backwards, outside autograd ("Final callbacks can only be installed
+                # during backward pass"), when the stage was not handed to the engine
+                raise RuntimeError(
+                    "gradients reached an AMSP unit outside a backward (torch's pipeline "
+                    "stage reducing them as FSDP2's?): wrap each pipeline stage of an AMSP "
+                    "model with amsp.pipeline_stage(stage) before the schedule's first step"
+                ) from e
         return self.backward
 
     def on_unit_grads(self, unit: AMSPUnit, flat_p: torch.Tensor) -> None:

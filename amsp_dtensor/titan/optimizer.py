@@ -9,6 +9,7 @@ torch.optim.Optimizer, torchtitan's LambdaLR schedulers drive its param_groups' 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from .weights import clean_fqn
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 RESIDUALS = "amsp_residuals"  # + ".<part>": one model part's residuals, under OPTIMIZER
+# model part -> its pipeline stage index (specs.amsp_pipelining_fn notes it)
+PIPELINE_STAGE_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 class AmspOptimizersContainer(OptimizersContainer):
@@ -52,7 +55,7 @@ class AmspOptimizersContainer(OptimizersContainer):
             return
         fitted, reset = {}, {}  # kept only once every part is fitted (a raise keeps none)
         for i, part in enumerate(self.model_parts):
-            entry, name = residual_entry(part), f"{RESIDUALS}.{i}"
+            entry, name = residual_entry(part), self._key(RESIDUALS, i)
             if entry is None:
                 continue
             why = fit_residuals(path, entry, (OPTIMIZER, name), metadata)
@@ -63,12 +66,26 @@ class AmspOptimizersContainer(OptimizersContainer):
         self._fitted, self._residuals_reset = fitted, reset
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the true global norm (model params have no .grad: grads live in the engine)."""
+        """Clip by the true global norm (model params have no .grad: grads live in the
+        engine): one norm over every model part of this rank and, under pipeline
+        parallelism, over every stage of the pipeline."""
+        import amsp_dtensor as amsp
+
+        if len(self.optimizers) > 1 or self._pipelined():
+            return amsp.clip_grad_norm_(self.optimizers, max_norm)
         norms = [opt.clip_grad_norm_(max_norm) for opt in self.optimizers]
         norms = [n.full_tensor() if isinstance(n, DTensor) else torch.as_tensor(n) for n in norms]
-        if len(norms) == 1:
-            return norms[0]
-        return torch.stack(norms).pow(2).sum().sqrt()
+        return norms[0]
+
+    def _pipelined(self) -> bool:
+        return any(part in PIPELINE_STAGE_OF for part in self.model_parts)
+
+    def _key(self, prefix: str, i: int) -> str:
+        """A model part's entry: by its index on this rank, or under pipeline parallelism
+        by its stage (the parts of one index on different stages hold different params,
+        and one DCP key is written by one rank only)."""
+        stage = PIPELINE_STAGE_OF.get(self.model_parts[i])
+        return f"{prefix}.{i}" if stage is None else f"{prefix}.stage{stage}"
 
     # Checkpointing: torchtitan's get_optimizer_state_dict expects the model's params in the
     # optimizer; AMSP's optimizer holds OS-layout masters instead, so defer to its own dict.
@@ -79,23 +96,23 @@ class AmspOptimizersContainer(OptimizersContainer):
     # With compressed gradients, each part's error-feedback residuals ride along as
     # "amsp_residuals.<i>" (see [Note: error-feedback residuals in a checkpoint]).
     def state_dict(self) -> dict[str, Any]:
-        sd = {f"amsp_optim.{i}": _clean_keys(opt.state_dict())
+        sd = {self._key("amsp_optim", i): _clean_keys(opt.state_dict())
               for i, opt in enumerate(self.optimizers)}
         if self._fitted is not None:
             return sd | self._fitted
         for i, part in enumerate(self.model_parts):
             entry = residual_entry(part)
             if entry is not None:
-                sd[f"{RESIDUALS}.{i}"] = entry
+                sd[self._key(RESIDUALS, i)] = entry
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for i, opt in enumerate(self.optimizers):
             wrapped = {clean_fqn(fqn): fqn for fqn in opt.state_dict()["state"]}
-            opt.load_state_dict(_rename_keys(state_dict[f"amsp_optim.{i}"],
+            opt.load_state_dict(_rename_keys(state_dict[self._key("amsp_optim", i)],
                                              lambda fqn: wrapped.get(fqn, fqn)))
-            if f"{RESIDUALS}.{i}" in state_dict:
-                restore_residuals(self.model_parts[i], state_dict[f"{RESIDUALS}.{i}"])
+            if self._key(RESIDUALS, i) in state_dict:
+                restore_residuals(self.model_parts[i], state_dict[self._key(RESIDUALS, i)])
         for why in sorted(set(self._residuals_reset.values())):
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 logger.warning(f"[amsp] {why}")

@@ -31,7 +31,7 @@ from torchtitan.tools.utils import device_type
 from ..engine import handle
 from ..compat import titan_sac_save_list
 
-from .validate import AmspConfigError, compression_of, resolve_plan
+from .validate import AmspConfigError, compression_of, job_ranks_per_node, resolve_plan
 from .weights import init_full_model, keep_weights
 
 def amsp_plan_of(model: nn.Module):
@@ -82,15 +82,44 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def _end_units(model: nn.Module) -> tuple | None:
     """(embeddings, [final norm, output head]) as torchtitan's apply_fsdp cuts them, or
-    None when the model lacks them or ties the output head to the embeddings."""
+    None when the model lacks them or ties the output head to the embeddings. A pipeline
+    stage (torchtitan sets the modules of other stages to None) has either or neither:
+    the one it lacks is None."""
     parts = [getattr(model, name, None) for name in ("tok_embeddings", "norm", "output")]
-    if any(not isinstance(part, nn.Module) for part in parts):
+    embeddings, norm, output = (part if isinstance(part, nn.Module) else None for part in parts)
+    if embeddings is not None and output is not None:
+        shared = {id(p) for p in embeddings.parameters()} & {id(p) for p in output.parameters()}
+        if shared:
+            return None
+    head = [norm, output] if norm is not None and output is not None else None
+    if embeddings is None and head is None:
         return None
-    embeddings, norm, output = parts
-    shared = {id(p) for p in embeddings.parameters()} & {id(p) for p in output.parameters()}
-    if shared:
+    if (embeddings is None or head is None) and not _pipeline_stage(model):
         return None
-    return embeddings, [norm, output]
+    return embeddings, head
+
+
+def _pipeline_stage(model: nn.Module) -> bool:
+    """A part torchtitan's pipeline split left some of the model's modules out of (they
+    are None on it)."""
+    return any(getattr(model, name, False) is None for name in ("tok_embeddings", "norm", "output"))
+
+
+_PIPELINE_MESHES: dict = {}  # one mesh per plan and degrees, shared by a rank's stages
+
+
+def _mesh(amsp, sharding, plan, tp: int, pp: int, ranks_per_node: int):
+    """The AMSP mesh; under pipeline parallelism one for all stages of this rank (each
+    init_mesh makes process groups: looped schedules parallelize several parts)."""
+    if pp == 1:
+        return amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node * tp,
+                              device_type=device_type, tp=tp)
+    key = (plan.s_p, plan.s_g, plan.s_os, ranks_per_node, tp, pp,
+           id(torch.distributed.group.WORLD))
+    if key not in _PIPELINE_MESHES:
+        _PIPELINE_MESHES[key] = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node,
+                                               device_type=device_type, tp=tp, pp=pp)
+    return _PIPELINE_MESHES[key]
 
 
 def amsp_parallelize_fn(base_fn, base_name: str | None = None):
@@ -108,11 +137,10 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         import amsp_dtensor as amsp
 
         plan = resolve_plan(job_config, world=parallel_dims.world_size)
-        tp = parallel_dims.tp
+        tp, pp = parallel_dims.tp, parallel_dims.pp
         blocks = _blocks(model)
         sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
-        mesh = amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node * tp,
-                              device_type=device_type, tp=tp)
+        mesh = _mesh(amsp, sharding, plan, tp, pp, job_ranks_per_node(job_config))
         full_init = job_config.amsp.init_full_model
         if tp > 1:
             # [Note: TP, then everything else] As parallelize_llama: TP first, on the plain
@@ -147,13 +175,13 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         mp_policy = _mixed_precision(job_config)
         raf = job_config.amsp.reshard_after_forward
         ends = _end_units(model)
-        if ends:
+        if ends and ends[0] is not None:
             amsp.fully_shard(ends[0], mesh=mesh, plan=sharding, mp_policy=mp_policy,
                              reshard_after_forward=raf)
         for block in blocks:
             amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=mp_policy,
                              reshard_after_forward=raf)
-        if ends:
+        if ends and ends[1] is not None:
             amsp.fully_shard(ends[1], mesh=mesh, plan=sharding, mp_policy=mp_policy,
                              reshard_after_forward=False)
         amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=mp_policy)
@@ -165,6 +193,7 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         if full_init:
             keep_weights(model)
         under_tp = f" x tp {tp}" if tp > 1 else ""
+        under_tp += f" (one pipeline stage of {pp})" if pp > 1 else ""
         logger.info(
             f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
             f"on {plan.world_size} data-parallel ranks{under_tp}, {plan.ranks_per_node} per "

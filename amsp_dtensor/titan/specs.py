@@ -5,7 +5,9 @@ TrainSpec registered under that name carries the parallelize_fn. The AMSP varian
 spec is the same spec (model, flavors, tokenizer, dataset, loss, LR schedulers,
 validator, state-dict adapter) with AMSP's parallelize_fn, optimizer container and
 metrics processor, torchtitan's text data loader made resumable on another world size
-(``dataloader``), and no pipelining_fn. So
+(``dataloader``), and the spec's own pipelining_fn (pipeline_llm), whose stages, each
+parallelized by AMSP's parallelize_fn, are handed to the engine (``amsp.pipeline_stage``).
+So
 
     --model.name qwen3       torchtitan's own FSDP2 (the baseline; [amsp] is not read)
     --model.name qwen3_amsp  the same model trained under the [amsp] plan
@@ -34,7 +36,7 @@ from ..compat import titan_builtin_models, titan_extra_train_specs
 from .config import AmspConfigError
 from .dataloader import reshardable_dataloader_fn
 from .metrics import build_amsp_metrics_processor
-from .optimizer import build_amsp_optimizers
+from .optimizer import PIPELINE_STAGE_OF, build_amsp_optimizers
 from .parallelize import amsp_parallelize_fn, is_amsp_parallelize_fn
 
 SUFFIX = "_amsp"
@@ -51,18 +53,41 @@ def base_name_of(name: str) -> str | None:
 
 
 def amsp_variant(base_spec, base_name: str | None = None):
-    """``base_spec`` with AMSP's parallelize_fn, optimizers and metrics (no pipelining), and
-    torchtitan's text data loader replaced by one that resumes on another dp world size."""
+    """``base_spec`` with AMSP's parallelize_fn, optimizers and metrics, its pipelining_fn
+    handing each stage to the engine, and torchtitan's text data loader replaced by one
+    that resumes on another dp world size."""
     if is_amsp_parallelize_fn(base_spec.parallelize_fn):
         return base_spec
     return dataclasses.replace(
         base_spec,
         parallelize_fn=amsp_parallelize_fn(base_spec.parallelize_fn, base_name),
-        pipelining_fn=None,  # AMSP shards data-parallel states only
+        pipelining_fn=amsp_pipelining_fn(base_spec.pipelining_fn),
         build_optimizers_fn=build_amsp_optimizers,
         build_metrics_processor_fn=build_amsp_metrics_processor,
         build_dataloader_fn=reshardable_dataloader_fn(base_spec.build_dataloader_fn),
     )
+
+
+def amsp_pipelining_fn(base_fn):
+    """``base_fn`` (torchtitan's pipelining_fn, e.g. pipeline_llm: it cuts the model into
+    stages and calls the parallelize_fn, AMSP's, on each part), then every stage of the
+    schedule handed to the engine; None stays None."""
+    if base_fn is None:
+        return None
+
+    def pipeline_amsp(*args, **kwargs):
+        import amsp_dtensor as amsp
+
+        from ..compat import pipeline_schedule_stages
+
+        schedule, model_parts, has_first, has_last = base_fn(*args, **kwargs)
+        for stage in pipeline_schedule_stages(schedule):
+            amsp.pipeline_stage(stage)
+            PIPELINE_STAGE_OF[stage.submod] = stage.stage_index
+        return schedule, model_parts, has_first, has_last
+
+    pipeline_amsp.__qualname__ = f"pipeline_amsp[{getattr(base_fn, '__qualname__', base_fn)}]"
+    return pipeline_amsp
 
 
 def register_amsp_variant(base_name: str) -> str:

@@ -85,10 +85,12 @@ def _dataloader_keys_before_load(dcp_load, dataloader: ReshardableDataloader):
 _TITAN_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state", RNG_KEY)
 
 
-def _refuse_misfits(dcp_load):
+def _refuse_misfits(dcp_load, pipelined: bool = False):
     """Wrap CheckpointManager.dcp_load: compare the checkpoint's metadata with the model's
     and the AMSP optimizer's tensors first (a local read on every rank, so all of them
-    raise the same one-line CheckpointMismatch and none waits in DCP's load)."""
+    raise the same one-line CheckpointMismatch and none waits in DCP's load). Under
+    pipeline parallelism a rank holds its stages' entries only: the others' are expected
+    in the file, its own must be there."""
 
     def load(state_dict, checkpoint_id, *args, **kwargs):
         from_hf = kwargs.get("from_hf", args[0] if args else False)
@@ -110,7 +112,8 @@ def _refuse_misfits(dcp_load):
                 k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
             check_entries_fit(checkpoint_id, wanted,
                               [("", "model", ""), (OPTIMIZER, "optimizer state", OTHER_SETTINGS)],
-                              others=(*others, f"{OPTIMIZER}.{RESIDUALS}"), metadata=metadata)
+                              others=(*others, f"{OPTIMIZER}.{RESIDUALS}"), metadata=metadata,
+                              partial=pipelined)
             rng = state_dict.get(RNG_KEY)
             if rng is None:
                 return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
@@ -151,7 +154,8 @@ class AmspTrainer(Trainer):
             logger.info(f"AMSP {overlap}")  # all four switches, param_update included
         if self.amsp_plan is not None:
             self.checkpointer.states[RNG_KEY] = RngState()
-            self.checkpointer.dcp_load = _refuse_misfits(self.checkpointer.dcp_load)
+            self.checkpointer.dcp_load = _refuse_misfits(self.checkpointer.dcp_load,
+                                                         pipelined=self.parallel_dims.pp > 1)
         if isinstance(self.dataloader, ReshardableDataloader):
             self.checkpointer.dcp_load = _dataloader_keys_before_load(
                 self.checkpointer.dcp_load, self.dataloader)
@@ -167,12 +171,12 @@ class AmspTrainer(Trainer):
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         self._microbatch += 1
         last = self._microbatch >= self.gradient_accumulation_steps
-        if not self.amsp_enabled or last:
-            ctx = contextlib.nullcontext()
-        else:
+        ctx = contextlib.ExitStack()
+        if self.amsp_enabled and not last:
             import amsp_dtensor as amsp
 
-            ctx = amsp.no_sync(self.model_parts[0])
+            for part in self.model_parts:  # every pipeline stage of this rank
+                ctx.enter_context(amsp.no_sync(part))
         with ctx:
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens

@@ -107,13 +107,117 @@ def check_reshard_after_forward(cfg: Amsp, plan: ResolvedPlan) -> None:
 # torchtitan's other parallelisms, which AMSP does not compose with (yet): key -> name
 UNSUPPORTED_PARALLELISM = {
     "context_parallel_degree": "context parallelism",
-    "pipeline_parallel_degree": "pipeline parallelism",
     "expert_parallel_degree": "expert parallelism",
 }
+# torchtitan's schedules whose backward is split in input and weight parts (zero bubble):
+# an AMSP stage runs full backwards only (amsp_dtensor/engine/pipeline.py)
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def pipeline_stage_world(job_config, world: int, ranks_per_node: int) -> tuple[int, int]:
+    """(ranks of one pipeline stage, of them per node) under [parallelism]
+    pipeline_parallel_degree, checked before any process group: the degree divides the
+    world, a stage spans whole nodes or fits in one, the schedule runs full backwards,
+    and the model's layers split into the schedule's stages as torchtitan splits them."""
+    parallelism = job_config.parallelism
+    pp = parallelism.pipeline_parallel_degree
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise AmspConfigError(f"parallelism.pipeline_parallel_degree={pp!r}: must be a positive int")
+    if pp == 1:
+        return world, ranks_per_node
+    if world % pp:
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_degree={pp}: does not divide the world size "
+            f"{world}; every pipeline stage needs the same number of ranks")
+    stage = world // pp
+    if stage % ranks_per_node and ranks_per_node % stage:
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_degree={pp}: a stage of {world} / {pp} = {stage} "
+            f"ranks neither fills whole nodes nor fits in one ({ranks_per_node} ranks per "
+            "node); use a degree that makes world / degree a multiple or a divisor of the "
+            "ranks per node")
+    schedule = parallelism.pipeline_parallel_schedule
+    csv = parallelism.pipeline_parallel_schedule_csv
+    if csv:
+        bad = _split_backward_actions(csv)
+        if bad:
+            raise AmspConfigError(
+                f"parallelism.pipeline_parallel_schedule_csv={csv!r}: has split backward "
+                f"actions ({bad}): AMSP stages run full backwards only; use B actions, or "
+                "a schedule such as 1F1B or Interleaved1F1B")
+    elif schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_schedule={schedule!r}: splits each backward into "
+            "input and weight parts (zero bubble), which AMSP stages do not run; use 1F1B, "
+            "GPipe, Interleaved1F1B or LoopedBFS")
+    _check_layers_split(job_config, pp)
+    return stage, min(stage, ranks_per_node)
+
+
+def _split_backward_actions(csv_path: str) -> str:
+    """The first zero-bubble action (I or W) of a schedule CSV, or "" (torchtitan reads
+    the file itself later: one that does not exist is its to report)."""
+    import re
+
+    try:
+        with open(csv_path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    match = re.search(r"(?<![A-Za-z_])\d+(I|W)(?:\d+)?(?![A-Za-z_])", text)
+    return match.group(0) if match else ""
+
+
+def _check_layers_split(job_config, pp: int) -> None:
+    """The stages torchtitan's pipeline_llm will cut (same arithmetic, same split
+    function, called here on the model's layer count): one line instead of its
+    ValueError after start-up."""
+    import math
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    parallelism = job_config.parallelism
+    try:
+        spec = get_train_spec(job_config.model.name)
+        n_layers = spec.model_args[job_config.model.flavor].n_layers
+    except (ValueError, KeyError, AttributeError, ImportError):
+        return  # torchtitan names an unknown model / flavor itself
+    if parallelism.module_fqns_per_model_part is not None:
+        return  # the user's own split: torchtitan checks it
+    try:  # pipeline_llm counts stages by the schedule's class, also with a CSV schedule
+        single = issubclass(get_schedule_class(parallelism.pipeline_parallel_schedule),
+                            PipelineScheduleSingle)
+    except ValueError as e:
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_schedule="
+            f"{parallelism.pipeline_parallel_schedule!r}: {e}") from None
+    first, last = (parallelism.pipeline_parallel_first_stage_less_layers,
+                   parallelism.pipeline_parallel_last_stage_less_layers)
+    per_stage = parallelism.pipeline_parallel_layers_per_stage
+    where = f"{job_config.model.name} {job_config.model.flavor} has {n_layers} layers"
+    if per_stage is not None:
+        stages = math.ceil((n_layers + first + last) / per_stage)
+        if stages % pp or (single and stages != pp) or (not single and stages < 2 * pp):
+            raise AmspConfigError(
+                f"parallelism.pipeline_parallel_layers_per_stage={per_stage}: {where}, cut "
+                f"into {stages} stages, which the {pp} pipeline ranks cannot run with "
+                f"schedule {parallelism.pipeline_parallel_schedule} (it needs "
+                + ("one stage per rank" if single else "2 or more stages per rank, the same "
+                   "on every rank") + ")")
+    else:
+        stages = pp if single else 2 * pp
+    try:
+        generate_llm_fqn_per_model_part(stages, n_layers, first, last)
+    except ValueError as e:
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_degree={pp}: {where}, too few for {stages} "
+            f"pipeline stages ({e}); use a smaller degree or a deeper flavor") from None
 
 
 def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
-    """[parallelism] checked for AMSP: CP, PP and EP refused; the TP degree returned once
+    """[parallelism] checked for AMSP: CP and EP refused; the TP degree returned once
     it divides the ranks per node (TP groups inside a node) and the sequence length (as
     torchtitan's sequence parallelism needs)."""
     parallelism = job_config.parallelism
@@ -121,8 +225,8 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
         degree = getattr(parallelism, key)
         if degree != 1:
             raise AmspConfigError(
-                f"parallelism.{key}={degree}: AMSP composes with data and tensor parallelism "
-                f"only; set it to 1 ({name} with AMSP is not implemented)"
+                f"parallelism.{key}={degree}: AMSP composes with data, tensor and pipeline "
+                f"parallelism only; set it to 1 ({name} with AMSP is not implemented)"
             )
     tp = parallelism.tensor_parallel_degree
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -142,9 +246,15 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
     return tp
 
 
+def job_ranks_per_node(job_config) -> int:
+    """The job's ranks per node: [amsp] ranks_per_node, else LOCAL_WORLD_SIZE."""
+    return job_config.amsp.ranks_per_node or world_from_env()[1]
+
+
 def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | None = None):
     """Validate job_config.amsp (and [parallelism]) for this world; return the ResolvedPlan
-    to run, over the data-parallel world (world / tp ranks, ranks_per_node / tp per node).
+    to run, over the data-parallel world (world / tp ranks, ranks_per_node / tp per node;
+    under pipeline parallelism, one stage's: world / pp / tp ranks).
 
     plan = "auto" asks amsp_dtensor's planner (see planner_bridge). Raises AmspConfigError.
     """
@@ -170,8 +280,17 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
             f"amsp.plan={cfg.plan!r}: use \"auto\" (planner chooses) or \"\" (use "
             "param_shard/grad_shard/optim_shard)"
         )
+    job_world = world
+    world, ranks_per_node = pipeline_stage_world(job_config, world, ranks_per_node)
+    pp = job_world // world
     tp = tensor_parallel_degree(job_config, ranks_per_node)
     if cfg.plan == "auto":
+        if pp > 1:
+            raise AmspConfigError(
+                f"amsp.plan='auto' with parallelism.pipeline_parallel_degree={pp}: the planner "
+                "does not model pipeline stages; set param_shard, grad_shard and optim_shard "
+                f"(factors of one stage's data-parallel world: {job_world} / {pp}"
+                + (f" / {tp}" if tp > 1 else "") + " ranks)")
         from .planner_bridge import plan_auto
 
         plan = plan_auto(job_config, world, ranks_per_node)
@@ -179,11 +298,16 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
         try:
             plan = resolve_explicit(cfg, world // tp, ranks_per_node // tp)
         except AmspConfigError as e:
-            if tp == 1:
+            if tp == 1 and pp == 1:
                 raise
+            if pp == 1:
+                raise AmspConfigError(
+                    f"{e} (under parallelism.tensor_parallel_degree={tp} the factors are those "
+                    f"of the data-parallel world: {world} / {tp} ranks)") from None
             raise AmspConfigError(
-                f"{e} (under parallelism.tensor_parallel_degree={tp} the factors are those of "
-                f"the data-parallel world: {world} / {tp} ranks)") from None
+                f"{e} (under parallelism.pipeline_parallel_degree={pp} the factors are those of "
+                f"one stage's data-parallel world: {job_world} / {pp}"
+                + (f" / {tp}" if tp > 1 else "") + " ranks)") from None
     check_reshard_after_forward(cfg, plan)
     compression_of(cfg)
     return plan

@@ -1,0 +1,94 @@
+"""torchtitan's pipeline parallelism with AMSP on every stage.
+
+Refusals: one line, exit 2, before any process group (train.main as under torchrun, in
+this process). Equivalence: torchtitan's own FSDP2 + PP (``--model.name llama3``) and
+AMSP + PP (``llama3_amsp``) on 4 ranks = pp 2 x dp 2, schedule 1F1B, 4 micro-batches,
+both loading one seed checkpoint (``--checkpoint.initial_load_path``, model only), fp32:
+the loss of every step within 1e-4 relative. Both runs save a full checkpoint at their
+last step (AMSP's optimizer entries keyed by pipeline stage)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_titan import RECIPE, losses, torchrun
+
+STEPS = 3
+REL_TOL = 1e-4
+PP_ARGS = ["--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.pipeline_parallel_schedule", "1F1B",
+           "--training.local_batch_size", "4", "--training.global_batch_size", "-1",
+           "--training.steps", str(STEPS)]
+
+
+def _main(argv, monkeypatch, capsys, rank=0):
+    from amsp_dtensor import train
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", str(rank))
+    code = train.main(["--job.config_file", str(RECIPE), *argv])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, starts_with", [
+    (["--parallelism.pipeline_parallel_degree", "3"],
+     "parallelism.pipeline_parallel_degree=3: does not divide the world size 4"),
+    (["--parallelism.pipeline_parallel_degree", "2"],  # the recipe's optim_shard = 4 > dp 2
+     "amsp.optim_shard=4: does not divide the world size 2"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--amsp.optim_shard", "2",
+      "--parallelism.pipeline_parallel_layers_per_stage", "1"],  # 8 stages for 2 ranks
+     "parallelism.pipeline_parallel_layers_per_stage=1: llama3_amsp debugmodel has 6 layers, "
+     "cut into 8 stages"),
+    (["--parallelism.pipeline_parallel_degree", "4", "--amsp.param_shard", "1",
+      "--amsp.grad_shard", "1", "--amsp.optim_shard", "1",
+      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+      "--parallelism.pipeline_parallel_first_stage_less_layers", "0",
+      "--parallelism.pipeline_parallel_last_stage_less_layers", "0"],  # 8 stages, 6 layers
+     "parallelism.pipeline_parallel_degree=4: llama3_amsp debugmodel has 6 layers, too few "
+     "for 8 pipeline stages"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--amsp.optim_shard", "2",
+      "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+     "parallelism.pipeline_parallel_schedule='ZBVZeroBubble': splits each backward"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--amsp.plan", "auto"],
+     "amsp.plan='auto' with parallelism.pipeline_parallel_degree=2: the planner does not "
+     "model pipeline stages"),
+], ids=["pp-not-dividing-world", "factor-outside-the-stage-dp-world",
+        "layers-per-stage-not-fitting", "too-few-layers", "zero-bubble", "auto-plan"])
+def test_pipeline_refusals_are_one_line_before_start_up(argv, starts_with, monkeypatch, capsys):
+    code, err = _main(argv, monkeypatch, capsys)
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith("amsp_dtensor.train: error: " + starts_with), err[0]
+    if "world size 2" in starts_with:
+        assert ("under parallelism.pipeline_parallel_degree=2 the factors are those of one "
+                "stage's data-parallel world: 4 / 2 ranks") in err[0]
+
+
+@pytest.fixture(scope="module")
+def seed_checkpoint(tmp_path_factory):
+    """One full model, saved by torchtitan on one rank (model only is loaded from it)."""
+    dump = tmp_path_factory.mktemp("seed")
+    torchrun(["--model.name", "llama3", "--checkpoint.enable",
+              "--checkpoint.create_seed_checkpoint",
+              "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"],
+             dump, nproc=1)
+    steps = sorted((dump / "checkpoint").iterdir())
+    assert steps, f"no seed checkpoint under {dump}"
+    return steps[0]
+
+
+def test_amsp_pipeline_matches_torchtitan_fsdp_pipeline(seed_checkpoint, tmp_path):
+    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint),
+            "--checkpoint.interval", "100"]
+    torchrun(["--model.name", "llama3", *PP_ARGS, *load], tmp_path / "fsdp", timeout=600)
+    proc = torchrun([*PP_ARGS, *load, "--amsp.param_shard", "2", "--amsp.grad_shard", "2",
+                     "--amsp.optim_shard", "2"], tmp_path / "amsp", timeout=600)
+    log = proc.stdout + proc.stderr
+    assert "Applied AMSP plan p2-g2-os2" in log and "one pipeline stage of 2" in log
+    want, got = losses(tmp_path / "fsdp"), losses(tmp_path / "amsp")
+    assert len(got) == len(want) == STEPS
+    assert want[-1] < want[0]  # it trains
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert abs(g - w) <= REL_TOL * abs(w), (step, got, want)
+    assert (tmp_path / "amsp" / "checkpoint" / f"step-{STEPS}").is_dir()
