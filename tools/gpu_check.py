@@ -136,19 +136,42 @@ def _fill_like_every_rank(output: torch.Tensor, input: torch.Tensor) -> None:
         output.numel() // input.numel(), -1))
 
 
-def _fill_engine_all_gathers(collectives) -> None:
-    """The engine's all-gather outputs filled (_fill_like_every_rank), so the unpack is
-    checkable; FSDP2's are filled too (_capture_all_gather_inputs). Left unfilled, the
-    forward reads whatever memory the allocator hands out, and NaN there made the masters
-    NaN and every equality check fail in about 1 run of 4 (seen on torch 2.11)."""
-    original = collectives.Collectives.all_gather
+def _fill_chunk(output: torch.Tensor, input: torch.Tensor) -> None:
+    """A reduce-scatter's output filled with the first chunk of its input (finite values;
+    the fake backend leaves the output as allocated)."""
+    output.view(-1).copy_(input.reshape(-1)[:output.numel()])
 
-    def all_gather(self, output, input, dim, phase):
-        pending = original(self, output, input, dim, phase)
+
+def _fill_engine_all_gathers(collectives) -> None:
+    """The outputs of the collectives the fake backend leaves as allocated, filled: the
+    engine's all-gathers (_fill_like_every_rank), so the unpack is checkable, and its and
+    FSDP2's reduce-scatters (_fill_chunk); FSDP2's all-gathers in
+    _capture_all_gather_inputs. Left unfilled, the step reads whatever memory the
+    allocator hands out, and NaN there made the masters NaN and every equality check fail
+    in about 1 run of 4 (seen on torch 2.11, with NaN in the masters on each failing run)."""
+    all_gather, reduce_scatter = (collectives.Collectives.all_gather,
+                                  collectives.Collectives.reduce_scatter)
+    fsdp_reduce_scatter = collectives.RecordingReduceScatter.__call__
+
+    def filled_all_gather(self, output, input, dim, phase, codec=None):
+        pending = all_gather(self, output, input, dim, phase, codec)
         _fill_like_every_rank(output, input)
         return pending
 
-    collectives.Collectives.all_gather = all_gather
+    def filled_reduce_scatter(self, output, input, dim, phase):
+        pending = reduce_scatter(self, output, input, dim, phase)
+        _fill_chunk(output, input)
+        return pending
+
+    def filled_fsdp_reduce_scatter(self, output_tensor, input_tensor, group, op,
+                                   async_op=False):
+        work = fsdp_reduce_scatter(self, output_tensor, input_tensor, group, op, async_op)
+        _fill_chunk(output_tensor, input_tensor)
+        return work
+
+    collectives.Collectives.all_gather = filled_all_gather
+    collectives.Collectives.reduce_scatter = filled_reduce_scatter
+    collectives.RecordingReduceScatter.__call__ = filled_fsdp_reduce_scatter
 
 
 def _capture_all_gather_inputs(state) -> dict:

@@ -91,7 +91,8 @@ class MeshInfo:
             return self.pp_group
         if dim not in self._groups:
             if dim == "shard":
-                self._groups[dim] = _shard_group(self.mesh)
+                # every stage's rows: all ranks make every group, in one order
+                self._groups[dim] = _shard_group(self.pp_mesh or self.mesh)
             else:
                 self._groups[dim] = self.mesh[dim].get_group()
         return self._groups[dim]
@@ -141,7 +142,8 @@ class MeshInfo:
 
 
 def _shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """This rank's "shard" group: the ranks of its (tp, rep) coordinate, all of p x g x os.
+    """This rank's "shard" group: the ranks of its (pp, tp, rep) coordinate, all of
+    p x g x os.
 
     [Note: the shard group without mesh slicing] Built from the mesh's rank tensor with
     the public ``new_subgroups_by_enumeration`` rather than by slicing and flattening the
@@ -152,7 +154,7 @@ def _shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     flatten does; a group's ranks are its row, which new_group orders by rank as it
     orders every mesh dim's group.
     """
-    lead = mesh.ndim - len(("p", "g", "os"))  # ("tp",) "rep" come first in DTensor order
+    lead = mesh.ndim - len(("p", "g", "os"))  # ("pp", "tp",) "rep" come first
     rows = mesh.mesh.reshape(-1, *mesh.mesh.shape[lead:]).flatten(1).tolist()
     group, _ = dist.new_subgroups_by_enumeration(rows, group_desc="shard")
     return group
