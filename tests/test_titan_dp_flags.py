@@ -199,14 +199,14 @@ REFUSALS = [
      ["--parallelism.data_parallel_replicate_degree", "2", "--amsp.param_shard", "4",
       "--amsp.grad_shard", "4"],
      "amsp.param_shard=4 contradicts parallelism.data_parallel_replicate_degree=2, "
-     "data_parallel_shard_degree=-1 (the parameters replicated 2 times, each copy sharded over "
-     "2 of the 4 data-parallel ranks): set amsp.param_shard = 2 (or \"dp\", to follow "
+     "data_parallel_shard_degree=-1 (2 copies of the parameters, each sharded over 2 of the 4 "
+     "data-parallel ranks): set amsp.param_shard = 2 (or \"dp\", to follow "
      "[parallelism]), or leave data_parallel_replicate_degree and data_parallel_shard_degree "
      "at torchtitan's defaults (1, -1) for the [amsp] factors to decide alone"),
     ("recipe-under-ddp", "recipe", 4, ["--parallelism.data_parallel_replicate_degree", "4"],
      "amsp.param_shard=2 contradicts parallelism.data_parallel_replicate_degree=4, "
-     "data_parallel_shard_degree=-1 (the parameters replicated 4 times, each copy sharded "
-     "over 1 of the 4 data-parallel ranks): set amsp.param_shard = 1"),
+     "data_parallel_shard_degree=-1 (4 copies of the parameters, each sharded over 1 of the 4 "
+     "data-parallel ranks): set amsp.param_shard = 1"),
     ("recipe-under-fsdp-4", "recipe", 4, ["--parallelism.data_parallel_shard_degree", "4"],
      "amsp.param_shard=2 contradicts parallelism.data_parallel_replicate_degree=1, "
      "data_parallel_shard_degree=4"),

@@ -91,7 +91,7 @@ def resolve_explicit(cfg: Amsp, world: int, ranks_per_node: int,
         s[key] = layout.shard if _is_from_dp(value) else _factor_value(key, value, world,
                                                                         ranks_per_node)
     s_p, s_g, s_os = s["param_shard"], s["grad_shard"], s["optim_shard"]
-    check_layout_agrees(cfg, layout, s_p, world)
+    check_layout_agrees(cfg, layout, s_p)
     try:
         return ShardingPlan(s_p, s_g, s_os).resolve(world, ranks_per_node)
     except ValueError as e:
@@ -135,9 +135,9 @@ class DataParallelLayout:
                 f"data_parallel_shard_degree={self.given_shard}")
 
     def describe(self) -> str:
-        return (f"{self.flags()} (the parameters replicated {self.replicate} times, each copy "
-                f"sharded over {self.shard} of the {self.replicate * self.shard} "
-                "data-parallel ranks)")
+        copies = "1 copy" if self.replicate == 1 else f"{self.replicate} copies"
+        return (f"{self.flags()} ({copies} of the parameters, each sharded over {self.shard} "
+                f"of the {self.replicate * self.shard} data-parallel ranks)")
 
 
 def data_parallel_layout(parallelism, dp_world: int, ranks_per_node: int,
@@ -177,7 +177,7 @@ def data_parallel_layout(parallelism, dp_world: int, ranks_per_node: int,
     return layout
 
 
-def check_layout_agrees(cfg: Amsp, layout: DataParallelLayout, s_p: int, dp_world: int) -> None:
+def check_layout_agrees(cfg: Amsp, layout: DataParallelLayout, s_p: int) -> None:
     """Explicit [amsp] factors beside explicit [parallelism] data-parallel degrees: the
     degrees fix the parameters' layout (R copies, each sharded over S ranks), so
     param_shard must be S; grads and optimizer states may be sharded further (AMSP's
