@@ -121,8 +121,8 @@ def build_amsp_optimizers(
     ft_manager=None,
 ) -> AmspOptimizersContainer:
     """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside."""
-    # amsp_dtensor.train refuses these before start-up (validate.check_unsupported); this
-    # repeats it for other launchers (python -m torchtitan.train with the _amsp specs).
+    # amsp_dtensor.train refuses these before start-up (resolve_plan -> check_unsupported);
+    # this repeats it for other launchers (python -m torchtitan.train with the _amsp specs).
     check_optimizer(optimizer_config, ft_manager is not None and getattr(ft_manager, "enabled", False))
     name = optimizer_config.name
     impl = optimizer_config.implementation

@@ -290,6 +290,7 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     explicit data-parallel degrees must agree with them (``check_layout_agrees``).
     plan = "auto" asks amsp_dtensor's planner (see planner_bridge). Raises AmspConfigError.
     """
+    check_unsupported(job_config)  # here too for launchers other than amsp_dtensor.train
     cfg: Amsp = job_config.amsp
     env_world, env_local = world_from_env()
     world = env_world if world is None else world
