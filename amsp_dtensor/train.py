@@ -5,9 +5,10 @@ What it adds to ``python -m torchtitan.train``:
   2. the [amsp] section and the AMSP TrainSpecs (``llama3_amsp``, ``qwen3_amsp``, and
      ``<name>_amsp`` for any other registered TrainSpec ``<name>``, built on demand)
      without needing the two plug-in lines in the TOML (they are added if missing);
-  3. validation of [amsp] and of the model (MoE flavors are refused) before any process
-     group or model exists: a bad setting stops every rank with one line naming the key,
-     and a non-zero exit code (2);
+  3. validation of [amsp], of [parallelism] (the data-parallel layout decides the plan
+     unless [amsp] sets factors), of settings AMSP cannot honour, and of the model (MoE
+     flavors are refused) before any process group or model exists: a bad setting stops
+     every rank with one line naming the key, and a non-zero exit code (2);
   4. the offline tokenizer and corpus, built on first run when the config points into
      amsp_dtensor.data.DEFAULT_ROOT (outputs/amsp_data), and HF_HOME kept there;
   5. AmspTrainer: torchtitan's Trainer with no_sync on all but the last micro-batch.
@@ -167,7 +168,7 @@ def check_amsp(job_config, amsp_given: bool = False):
                 f"{amsp_name(job_config.model.name)})"
             )
         return None
-    plan = resolve_plan(job_config)
+    plan = resolve_plan(job_config)  # [amsp], [parallelism], settings AMSP cannot honour
     check_model(job_config)
     return plan
 

@@ -153,3 +153,43 @@ def test_feature_compile(features, baseline):
     assert "Compiling each TransformerBlock with torch.compile" in features["resumed_log"]
     resumed = [features["resumed"][s] for s in (3, 4)]
     assert _close(resumed, baseline[2:], FEATURE_REL_TOL), (resumed, baseline)
+
+
+# --------------------------------------------------------------------------------------
+# A layout asked for by torchtitan's own flags (test_titan_dp_flags.py resolves every
+# mapping without a process group; this run checks what trains): HSDP, 2 replicas x
+# shard 2, with fsdp_reshard_after_forward = "never", and [amsp] leaving its factors to
+# them ("dp", the recipe's explicit factors overridden on the command line).
+# --------------------------------------------------------------------------------------
+HSDP_BY_FLAGS = ["--amsp.param_shard", "dp", "--amsp.grad_shard", "dp", "--amsp.optim_shard", "dp",
+                 "--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.fsdp_reshard_after_forward", "never",
+                 "--training.steps", str(STEPS)]
+
+
+def test_hsdp_asked_by_torchtitan_flags_trains_that_layout(baseline, tmp_path):
+    """The recorded collectives of each step are those of plan p2-g2-os2 on 2 nodes of 2
+    under "never" (docs/layouts.md's schedule): per micro-batch each of the 8 units
+    all-gathers its P shards in forward only (no re-gather in backward) and
+    reduce-scatters its grads over its node's 2 ranks; once per step the replicas
+    all-reduce the grad shards across the nodes, the only bytes that leave a node besides
+    the 4-byte norm; no OS-group collective (s_os = s_g = s_p). Losses: torchtitan's FSDP."""
+    proc = torchrun(HSDP_BY_FLAGS, tmp_path)
+    assert "[amsp] plan p2-g2-os2 on 4 ranks (2 per node)" in proc.stdout + proc.stderr
+    tb = scalars(tmp_path)
+    n, fp32, units, micro_batches = 6_163_712, 4, 1 + 6 + 1, 2  # debugmodel, see test_titan
+    for step in range(1, STEPS + 1):
+        assert [tb[f"amsp/{k}"][step] for k in ("s_p", "s_g", "s_os")] == [2, 2, 2]
+        assert tb["comm/all_gather/p/count"][step] == units * micro_batches  # default: 30
+        assert tb["comm/all_gather/p/bytes"][step] == micro_batches * fp32 * n
+        assert tb["comm/reduce_scatter/p/count"][step] == units * micro_batches
+        assert tb["comm/reduce_scatter/p/bytes"][step] == micro_batches * fp32 * n
+        assert tb["comm/all_reduce/rep/count"][step] == units
+        assert tb["comm/all_reduce/rep/bytes"][step] == fp32 * n / 2
+        assert tb["comm/inter_node_bytes"][step] == tb["comm/all_reduce/rep/bytes"][step]
+    assert not [tag for tag in tb if tag.startswith(("comm/reduce_scatter/os", "comm/all_gather/os",
+                                                     "comm/reduce_scatter/g", "comm/all_gather/g"))]
+    curve = losses(tmp_path)
+    assert len(curve) == len(baseline) == STEPS
+    for step, (got, want) in enumerate(zip(curve, baseline), start=1):
+        assert abs(got - want) <= REL_TOL * abs(want), (step, got, want, curve, baseline)

@@ -6,22 +6,31 @@ torchtitan 0.2.2 merges a module's ``JobConfig`` dataclass into its own when the
 ``--amsp.param_shard 2`` on the command line both land in ``job_config.amsp``.
 
 Factors are ints or strategy names ("replica" = 1, "node" = ranks per node, "full" =
-world size). tyro parses ``int | str`` CLI values as int when they look like one.
+world size), or "dp" (the default): torchtitan's data-parallel layout decides, i.e.
+``[parallelism] data_parallel_replicate_degree`` R x ``data_parallel_shard_degree`` S over
+the data-parallel world gives the factor S (plan pS-gS-osS, R replicas); with torchtitan's
+defaults (R = 1, S = -1) that is the whole data-parallel world, as "full". tyro parses
+``int | str`` CLI values as int when they look like one.
 """
 
 
 from dataclasses import dataclass, field
 
+FROM_DP = "dp"
+"""The value of an [amsp] factor or reshard_after_forward that leaves it to torchtitan's
+[parallelism] data-parallel settings (the default)."""
+
 
 @dataclass
 class Amsp:
-    param_shard: int | str = "full"
-    """s_p: ranks sharing one copy of the parameters (P). Int factor or replica/node/full."""
+    param_shard: int | str = FROM_DP
+    """s_p: ranks sharing one copy of the parameters (P). Int factor, replica/node/full, or
+    "dp" = parallelism.data_parallel_shard_degree (after data_parallel_replicate_degree)."""
 
-    grad_shard: int | str = "full"
+    grad_shard: int | str = FROM_DP
     """s_g: ranks sharing one copy of the gradients (G); must equal param_shard or optim_shard."""
 
-    optim_shard: int | str = "full"
+    optim_shard: int | str = FROM_DP
     """s_os: ranks sharing one copy of fp32 master weights + optimizer states (OS)."""
 
     plan: str = ""
@@ -30,8 +39,10 @@ class Amsp:
     ranks_per_node: int = 0
     """Ranks per (real or simulated) node; 0 = LOCAL_WORLD_SIZE from torchrun."""
 
-    reshard_after_forward: bool | int = True
-    """FSDP2's reshard_after_forward for the P path: True, False, or an int (hpZ-style)."""
+    reshard_after_forward: bool | int | str = FROM_DP
+    """FSDP2's reshard_after_forward for the P path: True, False, an int (hpZ-style), or
+    "dp" = as parallelism.fsdp_reshard_after_forward says ("default"/"always": True,
+    "never": False)."""
 
     overlap_param_update: bool = True
     """True: the post-step all-gather of the new weights into the P shards runs under the

@@ -24,10 +24,10 @@ from torchtitan.tools.logging import logger
 
 from .. import compat
 from ..checkpoint import fit_residuals, residual_entry, restore_residuals
-from .validate import AmspConfigError
+from .validate import OPTIMIZER_NAMES, check_optimizer
 from .weights import clean_fqn
 
-OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+OPTIMIZER_CLASSES = {name: getattr(torch.optim, name) for name in OPTIMIZER_NAMES}
 RESIDUALS = "amsp_residuals"  # + ".<part>": one model part's residuals, under OPTIMIZER
 # model part -> its pipeline stage index (specs.amsp_pipelining_fn notes it)
 PIPELINE_STAGE_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -138,16 +138,10 @@ def build_amsp_optimizers(
     ft_manager=None,
 ) -> AmspOptimizersContainer:
     """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside."""
-    if optimizer_config.early_step_in_backward:
-        raise AmspConfigError(
-            "optimizer.early_step_in_backward=True: not supported with AMSP (the optimizer "
-            "steps on OS shards after the gradient sync); set it to false"
-        )
-    if ft_manager is not None and getattr(ft_manager, "enabled", False):
-        raise AmspConfigError("fault_tolerance.enable=True: not supported with AMSP; set it to false")
+    # amsp_dtensor.train refuses these before start-up (resolve_plan -> check_unsupported);
+    # this repeats it for other launchers (python -m torchtitan.train with the _amsp specs).
+    check_optimizer(optimizer_config, ft_manager is not None and getattr(ft_manager, "enabled", False))
     name = optimizer_config.name
-    if name not in OPTIMIZER_CLASSES:
-        raise AmspConfigError(f"optimizer.name={name!r}: AMSP supports {', '.join(OPTIMIZER_CLASSES)}")
     impl = optimizer_config.implementation
     kwargs = {
         "lr": optimizer_config.lr,

@@ -31,7 +31,8 @@ from torchtitan.tools.utils import device_type
 from ..engine import handle
 from ..compat import titan_sac_save_list
 
-from .validate import AmspConfigError, compression_of, job_ranks_per_node, resolve_plan
+from .validate import (AmspConfigError, compression_of, job_ranks_per_node,
+                       reshard_after_forward_of, resolve_plan)
 from .weights import init_full_model, keep_weights
 
 def amsp_plan_of(model: nn.Module):
@@ -173,7 +174,9 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         # shards afterwards (to_empty + init_weights), as with its own FSDP path.
 
         mp_policy = _mixed_precision(job_config)
-        raf = job_config.amsp.reshard_after_forward
+        # [amsp] reshard_after_forward / [parallelism] fsdp_reshard_after_forward, as
+        # torchtitan's apply_fsdp maps its policy (the last units reshard only on "always")
+        raf, raf_last = reshard_after_forward_of(job_config, plan)
         ends = _end_units(model)
         if ends and ends[0] is not None:
             amsp.fully_shard(ends[0], mesh=mesh, plan=sharding, mp_policy=mp_policy,
@@ -183,7 +186,7 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
                              reshard_after_forward=raf)
         if ends and ends[1] is not None:
             amsp.fully_shard(ends[1], mesh=mesh, plan=sharding, mp_policy=mp_policy,
-                             reshard_after_forward=False)
+                             reshard_after_forward=raf_last)
         amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=mp_policy)
         # torchtitan divides the loss by the global token count itself (Trainer.train_step):
         # the engine must sum gradients, not average them over ranks.
@@ -203,6 +206,7 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         return model
 
     parallelize_amsp.amsp_base = base_name or base_fn.__module__
+    parallelize_amsp.amsp_base_module = module  # for the checks before start-up
     parallelize_amsp.__qualname__ = f"parallelize_amsp[{parallelize_amsp.amsp_base}]"
     return parallelize_amsp
 
@@ -211,17 +215,24 @@ def _apply_tp(model: nn.Module, base_module, tp_mesh, job_config) -> None:
     """The base recipe's own ``apply_tp`` (sequence parallel; loss parallel unless
     ``parallelism.disable_loss_parallel``; float8 TP as it decides), then async TP if
     asked, as torchtitan's parallelize_llama does."""
-    apply_tp = getattr(base_module, "apply_tp", None)
-    if apply_tp is None:
-        raise AmspConfigError(
-            f"parallelism.tensor_parallel_degree={tp_mesh.size()}: {base_module.__name__} has no "
-            "apply_tp to split this model with; set it to 1"
-        )
+    apply_tp = tp_apply_fn(base_module, tp_mesh.size())
     float8 = "float8" in job_config.model.converters and (
         job_config.quantize.linear.float8.recipe_name not in ("rowwise", "rowwise_with_gw_hp"))
     apply_tp(model, tp_mesh, loss_parallel=not job_config.parallelism.disable_loss_parallel,
              enable_float8_tensorwise_tp=float8)
     maybe_enable_async_tp(job_config, tp_mesh)
+
+
+def tp_apply_fn(base_module, tp: int):
+    """The base recipe's ``apply_tp``; AmspConfigError when its module has none (qwen3's
+    keeps its TP plan inside parallelize_qwen3). specs.check_model asks before start-up."""
+    apply_tp = getattr(base_module, "apply_tp", None)
+    if apply_tp is None:
+        raise AmspConfigError(
+            f"parallelism.tensor_parallel_degree={tp}: {base_module.__name__} has no "
+            "apply_tp to split this model with; set it to 1"
+        )
+    return apply_tp
 
 
 def is_amsp_parallelize_fn(fn) -> bool:

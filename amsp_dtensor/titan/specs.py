@@ -37,7 +37,7 @@ from .config import AmspConfigError
 from .dataloader import reshardable_dataloader_fn
 from .metrics import build_amsp_metrics_processor
 from .optimizer import PIPELINE_STAGE_OF, build_amsp_optimizers
-from .parallelize import amsp_parallelize_fn, is_amsp_parallelize_fn
+from .parallelize import _blocks, amsp_parallelize_fn, is_amsp_parallelize_fn, tp_apply_fn
 
 SUFFIX = "_amsp"
 EAGER_BASES = ("llama3", "qwen3")  # torchtitan's dense decoder LLMs (0.2.2)
@@ -161,8 +161,10 @@ def check_loss_parallel(job_config, spec) -> None:
 
 
 def check_model(job_config) -> None:
-    """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors, and loss
-    parallel with a loss that is not cross-entropy (``check_loss_parallel``).
+    """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors, a model
+    without its blocks in ``model.layers``, tensor parallelism on a recipe without
+    ``apply_tp``, and loss parallel with a loss that is not cross-entropy
+    (``check_loss_parallel``).
 
     Builds the flavor on the meta device, as torchtitan's Trainer does, and looks for
     torchtitan MoE layers.
@@ -171,6 +173,10 @@ def check_model(job_config) -> None:
 
     name, flavor = job_config.model.name, job_config.model.flavor
     spec = _train_spec.get_train_spec(name)
+    tp = job_config.parallelism.tensor_parallel_degree
+    base_module = getattr(spec.parallelize_fn, "amsp_base_module", None)
+    if tp > 1 and base_module is not None:
+        tp_apply_fn(base_module, tp)  # a recipe without apply_tp
     check_loss_parallel(job_config, spec)
     if flavor not in spec.model_args:
         return  # torchtitan's own KeyError names the flavors
@@ -180,6 +186,7 @@ def check_model(job_config) -> None:
         model = spec.model_cls(args)
     moe = _moe_modules(model)
     if not moe:
+        _blocks(model)  # one unit per transformer block, found in model.layers
         return
     if cpu_compat.needed():
         # Seen on torch 2.13+cpu: the router's token count torch.histc(<int64 expert ids>)

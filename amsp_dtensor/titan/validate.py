@@ -8,13 +8,14 @@ as one line and exits non-zero. The paper's rules themselves live in amsp_dtenso
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from amsp_dtensor.plan.sharding_plan import STRATEGY_NAMES, ResolvedPlan, ShardingPlan, valid_factors
 from amsp_dtensor.plan.sharding_plan import _resolve_factor
 from amsp_dtensor.plan.compression import CODECS, Compression
 
-from .config import KNOWN_KEYS, Amsp, AmspConfigError
+from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
 
@@ -79,9 +80,18 @@ def _chain_key(s_p: int, s_g: int, s_os: int) -> str:
     return "grad_shard"  # s_g strictly between s_p and s_os
 
 
-def resolve_explicit(cfg: Amsp, world: int, ranks_per_node: int) -> ResolvedPlan:
-    s = {k: _factor_value(k, getattr(cfg, k), world, ranks_per_node) for k in FACTOR_KEYS}
+def resolve_explicit(cfg: Amsp, world: int, ranks_per_node: int,
+                     layout: "DataParallelLayout | None" = None) -> ResolvedPlan:
+    """The [amsp] factors on this (data-parallel) world; a factor "dp" takes the shard
+    degree of ``layout`` (torchtitan's data-parallel layout; without one, the whole world)."""
+    layout = layout or DataParallelLayout(1, world, 1, -1)
+    s = {}
+    for key in FACTOR_KEYS:
+        value = getattr(cfg, key)
+        s[key] = layout.shard if _is_from_dp(value) else _factor_value(key, value, world,
+                                                                        ranks_per_node)
     s_p, s_g, s_os = s["param_shard"], s["grad_shard"], s["optim_shard"]
+    check_layout_agrees(cfg, layout, s_p)
     try:
         return ShardingPlan(s_p, s_g, s_os).resolve(world, ranks_per_node)
     except ValueError as e:
@@ -93,8 +103,137 @@ def resolve_explicit(cfg: Amsp, world: int, ranks_per_node: int) -> ResolvedPlan
         ) from None
 
 
-def check_reshard_after_forward(cfg: Amsp, plan: ResolvedPlan) -> None:
-    r = cfg.reshard_after_forward
+def _is_from_dp(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == FROM_DP
+
+
+# --------------------------------------------------------------------------------------
+# torchtitan's data-parallel layout: [parallelism] data_parallel_replicate_degree x
+# data_parallel_shard_degree, and fsdp_reshard_after_forward.
+# --------------------------------------------------------------------------------------
+DP_KEYS = ("data_parallel_replicate_degree", "data_parallel_shard_degree")
+DP_DEFAULTS = (1, -1)  # torchtitan's: no replication, shard over the rest
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """torchtitan's data-parallel layout resolved on the data-parallel world (world / tp):
+    ``replicate`` copies of the model, each sharded over ``shard`` ranks."""
+
+    replicate: int
+    shard: int
+    given_replicate: int  # as the config says (shard -1 = "the rest")
+    given_shard: int
+
+    @property
+    def given(self) -> bool:
+        """The flags differ from torchtitan's defaults (1, -1), which leave the layout open."""
+        return (self.given_replicate, self.given_shard) != DP_DEFAULTS
+
+    def flags(self) -> str:
+        return (f"parallelism.data_parallel_replicate_degree={self.given_replicate}, "
+                f"data_parallel_shard_degree={self.given_shard}")
+
+    def describe(self) -> str:
+        copies = "1 copy" if self.replicate == 1 else f"{self.replicate} copies"
+        return (f"{self.flags()} ({copies} of the parameters, each sharded over {self.shard} "
+                f"of the {self.replicate * self.shard} data-parallel ranks)")
+
+
+def data_parallel_layout(parallelism, dp_world: int, ranks_per_node: int,
+                         tp: int = 1) -> DataParallelLayout:
+    """[parallelism]'s data-parallel degrees resolved as torchtitan's ParallelDims does
+    (shard -1 = the data-parallel ranks left after the replicate degree; CP and PP, which
+    would enter that product, are refused before this) and checked against AMSP's rules:
+    the shard degree is a factor like any [amsp] one (it divides a node or spans whole
+    nodes)."""
+    replicate = parallelism.data_parallel_replicate_degree
+    shard = parallelism.data_parallel_shard_degree
+    world_note = f"world {dp_world * tp} / tensor_parallel_degree {tp}" if tp > 1 else "the world"
+    for key, value, ok in ((DP_KEYS[0], replicate, lambda v: v >= 1),
+                           (DP_KEYS[1], shard, lambda v: v == -1 or v >= 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+            allowed = "a positive int" if key == DP_KEYS[0] else "-1 (the rest) or a positive int"
+            raise AmspConfigError(f"parallelism.{key}={value!r}: must be {allowed}")
+    resolved = shard if shard != -1 else dp_world // replicate
+    if shard == -1 and dp_world % replicate:
+        raise AmspConfigError(
+            f"parallelism.data_parallel_replicate_degree={replicate}: does not divide the "
+            f"{dp_world} data-parallel ranks ({world_note}); use a divisor of {dp_world}")
+    if replicate * resolved != dp_world:
+        raise AmspConfigError(
+            f"parallelism.data_parallel_replicate_degree={replicate}, data_parallel_shard_degree="
+            f"{shard}: {replicate} x {resolved} is not the {dp_world} data-parallel ranks "
+            f"({world_note}); set data_parallel_shard_degree = -1 (the rest) or make the "
+            f"product {dp_world}")
+    layout = DataParallelLayout(replicate, resolved, replicate, shard)
+    ok = valid_factors(dp_world, ranks_per_node)
+    if resolved not in ok:
+        raise AmspConfigError(
+            f"{layout.flags()}: AMSP shards over {resolved} ranks, which spans nodes without "
+            f"filling them ({ranks_per_node} data-parallel ranks per node); a shard group must "
+            f"divide a node or fill whole nodes: use a data_parallel_shard_degree in "
+            f"{', '.join(map(str, ok))} (data_parallel_replicate_degree = {dp_world} / it)")
+    return layout
+
+
+def check_layout_agrees(cfg: Amsp, layout: DataParallelLayout, s_p: int) -> None:
+    """Explicit [amsp] factors beside explicit [parallelism] data-parallel degrees: the
+    degrees fix the parameters' layout (R copies, each sharded over S ranks), so
+    param_shard must be S; grads and optimizer states may be sharded further (AMSP's
+    point). With torchtitan's default degrees the [amsp] factors decide alone."""
+    if not layout.given or s_p == layout.shard or _is_from_dp(cfg.param_shard):
+        return
+    raise AmspConfigError(
+        f"amsp.param_shard={cfg.param_shard!r} contradicts {layout.describe()}: set "
+        f"amsp.param_shard = {layout.shard} (or \"{FROM_DP}\", to follow [parallelism]), or "
+        "leave data_parallel_replicate_degree and data_parallel_shard_degree at torchtitan's "
+        "defaults (1, -1) for the [amsp] factors to decide alone")
+
+
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def _reshard_value(value: Any) -> Any:
+    """amsp.reshard_after_forward with the CLI's "true"/"false" read as bools."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value
+
+
+def reshard_after_forward_of(job_config, plan: ResolvedPlan) -> tuple[bool | int, bool]:
+    """(reshard_after_forward of the embeddings and blocks, of [final norm, output head]).
+
+    parallelism.fsdp_reshard_after_forward as torchtitan's apply_fsdp maps it (no PP):
+    "default" -> (True, False), "always" -> (True, True), "never" -> (False, False).
+    amsp.reshard_after_forward, when set (not "dp"), replaces the blocks' setting under
+    "default" (True, False, or an int: hpZ); under "always" / "never" it must agree.
+    """
+    cfg: Amsp = job_config.amsp
+    policy = job_config.parallelism.fsdp_reshard_after_forward
+    if policy not in RESHARD_POLICIES:
+        raise AmspConfigError(
+            f"parallelism.fsdp_reshard_after_forward={policy!r}: use one of "
+            f"{', '.join(RESHARD_POLICIES)}")
+    ends = policy == "always"
+    r = _reshard_value(cfg.reshard_after_forward)
+    if _is_from_dp(r):
+        return policy != "never", ends
+    if isinstance(r, str) or not isinstance(r, (bool, int)):
+        raise AmspConfigError(
+            f"amsp.reshard_after_forward={r!r}: use true, false, an int (reshard to that many "
+            f"ranks), or \"{FROM_DP}\" (as parallelism.fsdp_reshard_after_forward says)")
+    check_reshard_after_forward(r, plan)
+    want = {"always": True, "never": False}.get(policy)
+    if want is not None and r is not want:
+        raise AmspConfigError(
+            f"amsp.reshard_after_forward={r!r} contradicts parallelism.fsdp_reshard_after_forward="
+            f"{policy!r} (reshard_after_forward={want}): set one of them to agree, or "
+            f"amsp.reshard_after_forward = \"{FROM_DP}\" (the default) to follow [parallelism]")
+    return r, ends
+
+
+def check_reshard_after_forward(r: bool | int, plan: ResolvedPlan) -> None:
     if isinstance(r, bool):
         return
     if not isinstance(r, int) or r < 1 or plan.s_p % r or r >= plan.s_p:
@@ -256,8 +395,12 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     to run, over the data-parallel world (world / tp ranks, ranks_per_node / tp per node;
     under pipeline parallelism, one stage's: world / pp / tp ranks).
 
+    Factors left at "dp" (the default) come from torchtitan's data-parallel layout
+    (``data_parallel_layout``: replicate R x shard S gives S); explicit factors beside
+    explicit data-parallel degrees must agree with them (``check_layout_agrees``).
     plan = "auto" asks amsp_dtensor's planner (see planner_bridge). Raises AmspConfigError.
     """
+    check_unsupported(job_config)  # here too for launchers other than amsp_dtensor.train
     cfg: Amsp = job_config.amsp
     env_world, env_local = world_from_env()
     world = env_world if world is None else world
@@ -284,6 +427,7 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     world, ranks_per_node = pipeline_stage_world(job_config, world, ranks_per_node)
     pp = job_world // world
     tp = tensor_parallel_degree(job_config, ranks_per_node)
+    layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp)
     if cfg.plan == "auto":
         if pp > 1:
             raise AmspConfigError(
@@ -291,12 +435,17 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
                 "does not model pipeline stages; set param_shard, grad_shard and optim_shard "
                 f"(factors of one stage's data-parallel world: {job_world} / {pp}"
                 + (f" / {tp}" if tp > 1 else "") + " ranks)")
+        if layout.given:
+            raise AmspConfigError(
+                f"amsp.plan='auto' with {layout.flags()}: the planner chooses the "
+                "data-parallel layout itself; leave those two at torchtitan's defaults (1, -1), "
+                "or drop plan = \"auto\" for the layout they ask for")
         from .planner_bridge import plan_auto
 
         plan = plan_auto(job_config, world, ranks_per_node)
     else:
         try:
-            plan = resolve_explicit(cfg, world // tp, ranks_per_node // tp)
+            plan = resolve_explicit(cfg, world // tp, ranks_per_node // tp, layout)
         except AmspConfigError as e:
             if tp == 1 and pp == 1:
                 raise
@@ -308,7 +457,7 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
                 f"{e} (under parallelism.pipeline_parallel_degree={pp} the factors are those of "
                 f"one stage's data-parallel world: {job_world} / {pp}"
                 + (f" / {tp}" if tp > 1 else "") + " ranks)") from None
-    check_reshard_after_forward(cfg, plan)
+    reshard_after_forward_of(job_config, plan)
     compression_of(cfg)
     return plan
 
@@ -324,3 +473,34 @@ def compression_of(cfg: Amsp) -> Compression:
                 f"send {key} exactly")
         values[key] = value or None
     return Compression(**values, error_feedback=bool(cfg.compress_error_feedback))
+
+
+OPTIMIZER_NAMES = ("Adam", "AdamW")
+"""[optimizer] name values the AMSP optimizer container builds (optimizer.OPTIMIZER_CLASSES)."""
+
+
+def check_optimizer(optimizer_config, fault_tolerance: bool = False) -> None:
+    """[optimizer] (and torchft) settings the AMSP optimizer container cannot honour."""
+    if optimizer_config.early_step_in_backward:
+        raise AmspConfigError(
+            "optimizer.early_step_in_backward=True: not supported with AMSP (the optimizer "
+            "steps on OS shards after the gradient sync); set it to false"
+        )
+    if fault_tolerance:
+        raise AmspConfigError("fault_tolerance.enable=True: not supported with AMSP; set it to false")
+    name = optimizer_config.name
+    if name not in OPTIMIZER_NAMES:
+        raise AmspConfigError(f"optimizer.name={name!r}: AMSP supports {', '.join(OPTIMIZER_NAMES)}")
+
+
+def check_unsupported(job_config) -> None:
+    """torchtitan settings an AMSP job cannot honour, refused before start-up: without this
+    they would fail on every rank once the process group exists (the optimizer's), or be
+    ignored (CPU offload: AMSP keeps P, G and OS on the device)."""
+    ft = getattr(job_config, "fault_tolerance", None)  # only with torchft's config module
+    check_optimizer(job_config.optimizer, bool(ft is not None and ft.enable))
+    if job_config.training.enable_cpu_offload:
+        raise AmspConfigError(
+            "training.enable_cpu_offload=True: AMSP does not offload parameters, gradients or "
+            "optimizer states to the CPU; set it to false (or shard the optimizer states "
+            "further: amsp.optim_shard)")
