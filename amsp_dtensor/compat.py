@@ -85,6 +85,7 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torchtitan.components.optimizer", "OptimizersContainer._validate_length"),
     ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
+    ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
@@ -371,6 +372,27 @@ def in_backward() -> bool:
 def queue_end_of_backward_callback(callback) -> None:
     """Run ``callback`` once the current backward has finished (not after an exception)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ---- torch.compile -------------------------------------------------------------------
+def settle_async_collective(value):
+    """``value``, or, when it is the not-yet-waited result of an asynchronous DTensor
+    redistribution (an AsyncCollectiveTensor, what ``to_local()`` returns after
+    ``redistribute(..., async_op=True)``), a plain tensor with its data and autograd
+    history.
+
+    Workaround (torch 2.13, CPU and CUDA alike): a torch.compile'd function given such a
+    tensor as an input returns its gradient in backward as a plain tensor of the DTensor's
+    global shape, and the redistribution's backward fails with "AttributeError: 'Tensor'
+    object has no attribute '_local_tensor'" (in NestedRedistribute.forward). Tensor
+    parallelism makes one: torchtitan's TP plan gives the token embeddings'
+    RowwiseParallel an async redistribution to the sequence-sharded layout, whose local
+    output enters the first compiled transformer block. The clone (one activation per
+    step) is where eager mode would wait anyway: the block's first op.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------
