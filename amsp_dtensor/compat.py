@@ -144,6 +144,7 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
     ("torch.distributed.pipelining._backward", "stage_backward"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
+    ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
@@ -512,6 +513,27 @@ def pipeline_stage_backward(stage_output, output_grads, input_values):
     from torch.distributed.pipelining._backward import stage_backward
 
     return stage_backward(stage_output, output_grads, input_values)
+
+
+# ---- torch.compile -------------------------------------------------------------------
+def settle_async_collective(value):
+    """``value``, or, when it is the not-yet-waited result of an asynchronous DTensor
+    redistribution (an AsyncCollectiveTensor, what ``to_local()`` returns after
+    ``redistribute(..., async_op=True)``), a plain tensor with its data and autograd
+    history.
+
+    Workaround (torch 2.13, CPU and CUDA alike): a torch.compile'd function given such a
+    tensor as an input returns its gradient in backward as a plain tensor of the DTensor's
+    global shape, and the redistribution's backward fails with "AttributeError: 'Tensor'
+    object has no attribute '_local_tensor'" (in NestedRedistribute.forward). Tensor
+    parallelism makes one: torchtitan's TP plan gives the token embeddings'
+    RowwiseParallel an async redistribution to the sequence-sharded layout, whose local
+    output enters the first compiled transformer block. The clone (one activation per
+    step) is where eager mode would wait anyway: the block's first op.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------

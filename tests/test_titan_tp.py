@@ -71,6 +71,21 @@ def test_amsp_with_tp_matches_torchtitan_fsdp2_with_tp(plan, fsdp_tp, tmp_path):
     assert got["comm/all_reduce/tp/count"][1] == 1
 
 
+def test_amsp_with_tp_and_compiled_blocks_matches_torchtitan_fsdp2_with_tp(fsdp_tp, tmp_path):
+    """torchtitan's 2d_compile feature (TP + per-block torch.compile) under AMSP, plan
+    (1, 1, 2): no FSDP2 unit between the embeddings and the first compiled block, the case
+    that needed compat.settle_async_collective (the copy of the mesh fixed for every plan
+    is pinned in tests/test_compile_tp.py). aot_eager, as the feature tests compile."""
+    proc = torchrun([*SHORT, "--amsp.param_shard", "1", "--amsp.grad_shard", "1",
+                     "--amsp.optim_shard", "2", "--compile.enable", "--compile.backend",
+                     "aot_eager"], tmp_path)
+    assert "Compiling each TransformerBlock with torch.compile" in proc.stdout + proc.stderr
+    got, curve = scalars(tmp_path)["loss_metrics/global_avg_loss"], fsdp_tp["loss_metrics/global_avg_loss"]
+    assert sorted(got) == sorted(curve) == list(range(1, STEPS + 1))
+    for step, value in curve.items():
+        assert abs(got[step] - value) <= REL_TOL * abs(value), (step, got[step], value)
+
+
 def _main(argv, monkeypatch, capsys, rank=0):
     from amsp_dtensor import train
 

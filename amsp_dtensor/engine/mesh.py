@@ -69,6 +69,23 @@ class MeshInfo:
     _groups: dict = field(default_factory=dict)
     _crosses_nodes: dict = field(default_factory=dict)
 
+    # [Note: a copied mesh carries no process group] The MeshInfo rides on its DeviceMesh
+    # (handle.py), so copying or pickling the mesh copies it too, and so does copying any
+    # DTensorSpec on the mesh or on one of its sub-meshes (they point to their root mesh).
+    # torch.compile does that whenever a compiled region reads a DTensor (its guard on the
+    # spec deep-copies it: under tensor parallelism, every block's TP-sharded params), as
+    # does torch.save of a DTensor. ProcessGroups cannot be copied ("TypeError: cannot
+    # pickle 'torch._C._distributed_c10d.ProcessGroup' object"), so, as DeviceMesh does
+    # with its own group registry, the copy drops the memoised groups; group() makes them
+    # again from the (copied) mesh if a copy is ever asked for one.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_groups"], state["_crosses_nodes"] = {}, {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     @property
     def ranks_per_node(self) -> int:
         """Ranks per node of the job (DP ranks per node times tp, without pp)."""

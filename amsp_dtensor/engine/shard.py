@@ -10,6 +10,7 @@ the params stay plain tensors and per-param post-accumulate-grad hooks feed the 
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -401,6 +402,12 @@ def _land_before_submodule_forward(unit: AMSPUnit) -> None:
     owned = {id(p) for p in unit.params}
 
     def hook(module, args):
+        # Inside a compiled forward of the unit's module (per-block torch.compile) the
+        # unit's own pre-forward hook, outside the compiled region, has landed it already;
+        # traced, this hook would make the compiled code guard on the unit's step state
+        # and recompile whenever an update is in flight.
+        if torch.compiler.is_compiling():
+            return
         param_update.land(unit)
 
     for top in unit.modules:

@@ -446,8 +446,8 @@ class AMSPUnit:
     def local_params(self) -> list[torch.Tensor]:
         """This rank's P rows of each param, as plain tensors sharing the param storage."""
         if self.uses_fsdp or self.tp_placements:  # FSDP's or TP's DTensors
-            return [p.to_local() for p in self.params]
-        return [p.data for p in self.params]
+            return [values_of(p.to_local()) for p in self.params]
+        return [values_of(p.data) for p in self.params]
 
     def write_versions(self) -> tuple[int, ...]:
         """Version counters that move when a P shard is written in place: each param's
@@ -479,6 +479,27 @@ class AMSPUnit:
                 f"now on {local[0].device}: move the model before amsp.fully_shard (or build "
                 "it on the target device), not after"
             )
+
+
+def values_of(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds a P shard's values.
+
+    A weight can be a tensor subclass that wraps its values and changes only how they are
+    sent or used: torchao's float8 training weights (``Float8Linear`` with
+    ``enable_fsdp_float8_all_gather``, a ``WeightWithDynamicFloat8CastTensor``) keep the
+    high-precision tensor inside and cast it to float8 in FSDP2's all-gather. Such a
+    wrapper has no storage of its own ("Attempted to access the data pointer on an invalid
+    python storage"); the engine builds the fp32 masters from, and lands the updates in,
+    the tensor it wraps: the wrapper subclass's inner tensor (``__tensor_flatten__``) of
+    the same shape and dtype. A plain tensor is returned as it is.
+    """
+    while type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        inner = getattr(t, names[0]) if names else None
+        if not isinstance(inner, torch.Tensor) or inner.shape != t.shape or inner.dtype != t.dtype:
+            break
+        t = inner
+    return t
 
 
 def _kind(tp_placement) -> str:

@@ -14,6 +14,7 @@ model keeps embeddings, final norm and output in the root unit.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -29,6 +30,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import device_type
 
 from ..engine import handle
+from .. import compat
 from ..compat import titan_sac_save_list
 
 from .validate import (AmspConfigError, compression_of, job_ranks_per_node,
@@ -62,11 +64,26 @@ def compile_blocks(model: nn.Module, compile_config) -> None:
     transition" in the first optimizer step; torch 2.13). In place, the block keeps its
     FQNs (no ``_orig_mod.``), and the unit's hooks stay outside the compiled region as with
     the wrapper.
+
+    Under tensor parallelism the first block's input can be the pending result of the
+    embeddings' asynchronous redistribution, which the compiled code must not get (see
+    ``compat.settle_async_collective``): each compiled forward is called with its tensor
+    inputs settled first, outside the compiled region.
     """
     for block in _blocks(model):
-        block.forward = torch.compile(block.forward, backend=compile_config.backend,
-                                      fullgraph=True)
+        block.forward = _with_settled_inputs(torch.compile(
+            block.forward, backend=compile_config.backend, fullgraph=True))
     logger.info("Compiling each TransformerBlock with torch.compile")
+
+
+def _with_settled_inputs(compiled):
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        args = tuple(compat.settle_async_collective(a) for a in args)
+        kwargs = {k: compat.settle_async_collective(v) for k, v in kwargs.items()}
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 
 import torch
 import torch.nn as nn
@@ -160,6 +161,23 @@ def check_loss_parallel(job_config, spec) -> None:
     )
 
 
+# torchtitan's converters that are torchao's float8 / MX training (quantize.linear.mx etc.)
+_TORCHAO_CONVERTERS = ("quantize.linear.float8", "quantize.grouped_mm.float8",
+                       "quantize.linear.mx", "quantize.grouped_mm.mx")
+
+
+def check_converters(job_config) -> None:
+    """A float8 / MX converter without torchao installed: torchtitan would raise its
+    ImportError on every rank after the process group started; one line instead."""
+    wanted = [c for c in job_config.model.converters if c in _TORCHAO_CONVERTERS]
+    if wanted and importlib.util.find_spec("torchao") is None:
+        raise AmspConfigError(
+            f"model.converters={job_config.model.converters!r}: {wanted[0]} is torchao's "
+            "training recipe and torchao is not installed; pip install amsp_dtensor[float8] "
+            "(or pip install torchao)"
+        )
+
+
 def check_model(job_config) -> None:
     """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors, a model
     without its blocks in ``model.layers``, tensor parallelism on a recipe without
@@ -171,6 +189,7 @@ def check_model(job_config) -> None:
     """
     from . import cpu_compat
 
+    check_converters(job_config)
     name, flavor = job_config.model.name, job_config.model.flavor
     spec = _train_spec.get_train_spec(name)
     tp = job_config.parallelism.tensor_parallel_degree

@@ -129,6 +129,16 @@ def _refuse_misfits(dcp_load, pipelined: bool = False):
     return load
 
 
+def float8_scales_after_step(job_config, parallel_dims) -> bool:
+    """Whether torchtitan's float8 converter precomputes the weights' scales in a post-step
+    hook (its Float8LinearConverter.precompute_scale, same conditions)."""
+    float8 = job_config.quantize.linear.float8
+    return ("quantize.linear.float8" in job_config.model.converters
+            and float8.recipe_name is None and parallel_dims.dp_shard_enabled
+            and float8.enable_fsdp_float8_all_gather
+            and float8.precompute_float8_dynamic_scale_for_fsdp)
+
+
 class AmspTrainer(Trainer):
     def init_distributed(self):
         with compat.torchrun_restart_safe_init():
@@ -145,8 +155,17 @@ class AmspTrainer(Trainer):
                 self.model_parts[0], self.train_spec.model_cls, self.model_args, job_config
             )
         if self.amsp_plan is not None and amsp_cfg is not None:
+            overlap_update = amsp_cfg.overlap_param_update
+            if overlap_update and float8_scales_after_step(job_config, self.parallel_dims):
+                # torchtitan's post-step hook computes every float8 weight's scale from the
+                # sharded weights right after optimizer.step() (torchao's
+                # precompute_float8_dynamic_scale_for_fsdp): the step must return with them
+                # updated, so the post-step all-gather cannot wait for the next forward.
+                overlap_update = False
+                logger.info("[amsp] overlap_param_update off: the float8 weight scales are "
+                            "computed from the updated weights right after each step")
             for opt in self.optimizers.optimizers:
-                opt.overlap_param_update = amsp_cfg.overlap_param_update
+                opt.overlap_param_update = overlap_update
             for part in self.model_parts:
                 overlap = set_overlap(part, grad_sync=amsp_cfg.overlap_grad_sync,
                                       prefetch=amsp_cfg.overlap_prefetch,
