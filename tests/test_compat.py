@@ -245,6 +245,9 @@ def test_reset_after_an_interrupted_backward_drops_its_grads(one_rank, monkeypat
     (torch 2.11, 2.12), so compat's own reset runs, here on the installed FSDP2's state."""
     from torch.distributed.fsdp import FSDPModule
 
+    if reset == "by_hand" and not compat.fsdp_reset_keeps_accumulated_grads():
+        pytest.skip("the hand-made reset stands in for 2.11/2.12's missing one; this FSDP2 "
+                    "(2.15+) clears the interrupted grads in its own reset only")
     if reset == "by_hand" and compat.fsdp_has_reset_iter_state():
         monkeypatch.delattr(FSDPModule, "reset_iter_state")
     if reset == "by_hand":
