@@ -24,7 +24,8 @@ UNIT_OWNED = {"_step", "partial_grad", "synced_grad", "pending_update", "stage_i
 # frozen_units/grad_stream are set once, where the root is made)
 ROOT_OWNED = {"requires_grad_sync", "gradient_divide_factor", "backward", "in_flight",
               "in_forward", "unsynced_micro_batches", "optimizer_bound", "overlap",
-              "forward_order", "forward_order_known", "unit_grad_observers", "compression"}
+              "forward_order", "forward_order_known", "unit_grad_observers", "compression",
+              "pipeline_grad_scale"}
 UNIT, ROOT, HANDLE = "engine/unit.py", "engine/root.py", "engine/handle.py"
 OWNER = {**{name: UNIT for name in UNIT_OWNED}, **{name: ROOT for name in ROOT_OWNED}}
 

@@ -75,7 +75,7 @@ class _AMSPStage:
         divides the synced gradients once, in fp32, when the optimizer reads them)."""
         if isinstance(grad_scale_factor, bool) or not grad_scale_factor > 0:
             raise ValueError(f"grad_scale_factor must be positive, got {grad_scale_factor!r}")
-        root_of(self.submod).pipeline_grad_scale = float(grad_scale_factor)
+        root_of(self.submod).set_pipeline_grad_scale(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """After the stage's last backward of the step: its sync was issued by that

@@ -94,6 +94,10 @@ class RootState:
             return float(self.info.plan.world_size) * self.pipeline_grad_scale
         return self.gradient_divide_factor * self.pipeline_grad_scale
 
+    def set_pipeline_grad_scale(self, scale: float) -> None:
+        """A pipeline schedule's scale for this step (engine/pipeline.py's scale_grads)."""
+        self.pipeline_grad_scale = float(scale)
+
     def iteration_aborted(self) -> bool:
         """A forward or backward raised and left its state behind (it is not running now:
         callers are outside autograd and outside the root's forward)."""
