@@ -236,13 +236,15 @@ def test_amsp_variant_of_any_registered_spec():
 # --------------------------------------------------------------------------------------
 # [amsp] validation: one line naming the key, non-zero exit, before any training.
 # --------------------------------------------------------------------------------------
-def _main(argv, monkeypatch, capsys, world=4, local=2):
+def _main(argv, monkeypatch, capsys, world=4, local=2, rank=0, toml=RECIPE):
+    """``amsp_dtensor.train.main`` on the debug recipe in this process, as one rank of
+    torchrun would run it: (exit code, stderr lines). Reused by the other titan tests."""
     from amsp_dtensor import train
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
-    monkeypatch.setenv("RANK", "0")
-    code = train.main(["--job.config_file", str(RECIPE), *argv])
+    monkeypatch.setenv("RANK", str(rank))
+    code = train.main(["--job.config_file", str(toml), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     return code, err
 

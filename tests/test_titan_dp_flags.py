@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_titan import RECIPE
+from test_titan import RECIPE, _main as run_main
 
 FACTOR_LINES = ("param_shard = 2\n", "grad_shard = 2\n", "optim_shard = 4\n")
 
@@ -185,13 +185,7 @@ def test_parallelize_passes_the_reshard_setting_to_fully_shard(no_factors, monke
 # Refusals: one line naming the keys and the fix, exit 2, before any process group.
 # --------------------------------------------------------------------------------------
 def _main(toml, argv, monkeypatch, capsys, world=4, local=2, rank=0):
-    from amsp_dtensor import train
-
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
-    monkeypatch.setenv("RANK", str(rank))
-    code = train.main(["--job.config_file", str(toml), *argv])
-    return code, capsys.readouterr().err.strip().splitlines()
+    return run_main(argv, monkeypatch, capsys, world=world, local=local, rank=rank, toml=toml)
 
 
 REFUSALS = [

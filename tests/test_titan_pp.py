@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_titan import RECIPE, losses, torchrun
+from test_titan import _main as run_main, losses, torchrun
 
 STEPS = 3
 REL_TOL = 1e-4
@@ -21,14 +21,8 @@ PP_ARGS = ["--parallelism.pipeline_parallel_degree", "2",
            "--training.steps", str(STEPS)]
 
 
-def _main(argv, monkeypatch, capsys, rank=0):
-    from amsp_dtensor import train
-
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", str(rank))
-    code = train.main(["--job.config_file", str(RECIPE), *argv])
-    return code, capsys.readouterr().err.strip().splitlines()
+def _main(argv, monkeypatch, capsys, rank=0):  # 4 ranks on one node
+    return run_main(argv, monkeypatch, capsys, world=4, local=4, rank=rank)
 
 
 @pytest.mark.parametrize("argv, starts_with", [

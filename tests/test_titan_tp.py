@@ -24,7 +24,7 @@ import os
 
 import pytest
 
-from test_titan import RECIPE, scalars, torchrun
+from test_titan import _main as run_main, RECIPE, scalars, torchrun
 
 STEPS = int(os.environ.get("AMSP_TITAN_TP_STEPS", "3"))
 SHORT = ["--training.seq_len", "128", "--training.steps", str(STEPS),
@@ -86,14 +86,8 @@ def test_amsp_with_tp_and_compiled_blocks_matches_torchtitan_fsdp2_with_tp(fsdp_
         assert abs(got[step] - value) <= REL_TOL * abs(value), (step, got[step], value)
 
 
-def _main(argv, monkeypatch, capsys, rank=0):
-    from amsp_dtensor import train
-
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", str(rank))
-    code = train.main(["--job.config_file", str(RECIPE), *argv])
-    return code, capsys.readouterr().err.strip().splitlines()
+def _main(argv, monkeypatch, capsys, rank=0):  # 4 ranks on one node
+    return run_main(argv, monkeypatch, capsys, world=4, local=4, rank=rank)
 
 
 @pytest.mark.parametrize("argv, starts_with", [
