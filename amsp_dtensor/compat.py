@@ -143,6 +143,8 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
     ("torch.distributed.pipelining._backward", "stage_backward"),
+    ("torch.distributed.pipelining._backward", "stage_backward_input"),
+    ("torch.distributed.pipelining._backward", "stage_backward_weight"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
 )
@@ -513,6 +515,25 @@ def pipeline_stage_backward(stage_output, output_grads, input_values):
     from torch.distributed.pipelining._backward import stage_backward
 
     return stage_backward(stage_output, output_grads, input_values)
+
+
+def pipeline_stage_backward_input(stage_output, output_grads, input_values, weights):
+    """The input half of a split backward (zero-bubble schedules), as torch's
+    ``PipelineStage`` runs it (``_backward.stage_backward_input``): the gradients of the
+    stage's inputs and the autograd state its weight half needs (``param_groups``); no
+    weight's ``.grad`` is touched."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    return stage_backward_input(stage_output, output_grads, input_values, weights)
+
+
+def pipeline_stage_backward_weight(weights, param_groups) -> None:
+    """The weight half of a split backward (``_backward.stage_backward_weight``): it
+    computes the weights' gradients outside autograd's engine and adds them to each
+    weight's ``.grad`` by hand (no post-accumulate-grad hook runs)."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    stage_backward_weight(weights, param_groups)
 
 
 # ---- torch.compile -------------------------------------------------------------------

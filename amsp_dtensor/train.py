@@ -24,6 +24,10 @@ CONFIG_MODULE = "amsp_dtensor.titan.config"
 CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
+# seconds a rank other than 0 waits before exiting on a refused config (see main)
+REFUSAL_GRACE_S = 5.0
+
+
 class UsageError(Exception):
     """A config problem reported as one line (no traceback)."""
 
@@ -212,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     except (AmspConfigError, UsageError) as e:
         if _rank() == 0:
             print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            # torchrun stops every rank once one has exited: the others wait, so rank 0
+            # (which checked the same config) has printed the line before it is stopped
+            import time
+
+            time.sleep(REFUSAL_GRACE_S)
         return 2
     if plan is not None:
         tp = job_config.parallelism.tensor_parallel_degree

@@ -1,7 +1,8 @@
 """Pipeline parallelism with AMSP on 4 CPU ranks: 2 stages x 2 data-parallel ranks (one
 node of 2 per stage). The test model is cut into stages, each sharded by AMSP over its
-stage's DP ranks and run by torch.distributed.pipelining's GPipe, 1F1B and interleaved
-1F1B schedules (amsp.pipeline_stage); losses, global grad norms and every weight after 3
+stage's DP ranks and run by torch.distributed.pipelining's schedules (amsp.pipeline_stage):
+GPipe, 1F1B, interleaved 1F1B, and the split-backward ones (interleaved zero bubble, ZBV,
+DualPipeV) on the plans with s_p = 1; losses, global grad norms and every weight after 3
 steps are compared with single-process training of the whole model on the same global
 batch, for every plan of a stage's DP world. One process group for the module."""
 
@@ -28,9 +29,16 @@ PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(DP, RANKS_PER_NODE)]
 # (plan, schedule, scale_grads): 1F1B on every plan; GPipe and interleaved 1F1B (two stages
 # per rank) on the plan with FSDP's all-gathers and on the one with a replica all-reduce.
 # scale_grads=False divides the loss by the micro-batch count instead.
+# The zero-bubble schedules (split backwards) on every plan with s_p = 1, the only ones
+# they run with.
 TRAINED = ([(plan, "1f1b", True) for plan in PLANS]
            + [((2, 2, 2), "gpipe", False), ((1, 1, 1), "gpipe", True),
-              ((2, 2, 2), "interleaved1f1b", True), ((1, 1, 1), "interleaved1f1b", False)])
+              ((2, 2, 2), "interleaved1f1b", True), ((1, 1, 1), "interleaved1f1b", False)]
+           + [(plan, "interleavedzb", True) for plan in PLANS if plan[0] == 1]
+           + [((1, 2, 2), "zbv", True), ((1, 1, 1), "zbv", False)])
+# DualPipeV needs as many micro-batches as stages (4)
+MICRO_BATCHES_OF = {"dualpipev": 4}
+TRAINED += [((1, 2, 2), "dualpipev", True)]
 
 
 def _id(case):
@@ -41,7 +49,8 @@ def _id(case):
 @pytest.fixture(scope="module")
 def world():
     cases = {_id(c): partial(pipeline_training, plan=c[0], schedule=c[1], steps=STEPS,
-                             micro_batches=MICRO_BATCHES, pp=PP, scale_grads=c[2])
+                             micro_batches=MICRO_BATCHES_OF.get(c[1], MICRO_BATCHES), pp=PP,
+                             scale_grads=c[2])
              for c in TRAINED}
     cases["layout"] = partial(pipeline_mesh_layout, plan=(1, 1, 2), pp=PP)
     cases["errors"] = pipeline_errors
@@ -50,12 +59,15 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return reference_training(DP, MICRO_BATCHES, STEPS, torch.float32)
+def references():
+    """micro-batch count -> single-process training on the same global batches"""
+    return {n: reference_training(DP, n, STEPS, torch.float32)
+            for n in {MICRO_BATCHES, *MICRO_BATCHES_OF.values()}}
 
 
 @pytest.mark.parametrize("case", TRAINED, ids=[_id(c) for c in TRAINED])
-def test_matches_single_process(world, reference, case):
+def test_matches_single_process(world, references, case):
+    reference = references[MICRO_BATCHES_OF.get(case[1], MICRO_BATCHES)]
     per_rank = world.get(_id(case))
     tol = TOLERANCE["fp32"]
     for rank, got in enumerate(per_rank):  # every rank saw the step loss and global norm
@@ -108,7 +120,7 @@ def test_pipeline_misuse_is_refused_in_one_line(world):
         "pp does not divide the world": "pp=3 does not divide the world size 4",
         "plan over the whole world": "data-parallel world of one stage (2 ranks, 2 per node)",
         "stage module not sharded": "is not an AMSP root",
-        "split backward": "zero-bubble schedules",
+        "split backward": "needs param_shard = 1 on the stage",
     }
     for name, fragment in want.items():
         assert got[name] is not None and fragment in got[name], (name, got[name])

@@ -43,7 +43,9 @@ def _main(argv, monkeypatch, capsys, rank=0):  # 4 ranks on one node
      "for 8 pipeline stages"),
     (["--parallelism.pipeline_parallel_degree", "2", "--amsp.optim_shard", "2",
       "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
-     "parallelism.pipeline_parallel_schedule='ZBVZeroBubble': splits each backward"),
+     "parallelism.pipeline_parallel_schedule='ZBVZeroBubble': splits each backward into "
+     "input and weight halves (zero bubble), which AMSP runs with amsp.param_shard = 1 only "
+     "(the plan has 2)"),
     (["--parallelism.pipeline_parallel_degree", "2", "--amsp.plan", "auto"],
      "amsp.plan='auto' with parallelism.pipeline_parallel_degree=2: the planner does not "
      "model pipeline stages"),

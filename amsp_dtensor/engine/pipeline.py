@@ -15,6 +15,17 @@ their G size), the last one outside it (the sync, overlapped with that backward)
 schedule's gradient scale (its micro-batch count when ``scale_grads=True``) divides the
 gradients along with the divide factor. The stage's class is swapped for a subclass that
 does this, as FSDP2 swaps a module's class; nothing else of the stage changes.
+
+[Note: split backward]
+Zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, CSV schedules
+with I and W actions) split a micro-batch's backward into an input half (autograd over
+the stage's inputs only: no weight gradient, no hook) and a later weight half, which
+torch computes outside autograd's engine and adds to each weight's ``.grad`` by hand. An
+AMSP stage with s_p = 1 (plain parameters) runs both halves as torch does and, after each
+weight half, hands the ``.grad`` of every unit to the gradient path as an end of backward
+would (``RootState.end_backward_outside_autograd``): under no_sync for all but the
+stage's last weight half of the step, which syncs. With s_p > 1 the weights the halves
+see are FSDP2's sharded parameters, whose all-gathered copies autograd used: refused.
 """
 
 from __future__ import annotations
@@ -57,14 +68,23 @@ class _AMSPStage:
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
                                    last_backward: bool = False):
-        if backward_type != "full":
-            raise NotImplementedError(
-                f"pipeline stage {self.stage_index}: a split backward ({backward_type!r}: "
-                "zero-bubble schedules) is not supported with AMSP stages: use a schedule "
-                "with full backwards (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)")
         root = root_of(self.submod)
+        if backward_type == "input":  # [Note: split backward]
+            _check_split_backward(self, root)
+            return compat.pipeline_stage_backward_input(
+                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                bwd_kwargs["input_values"], self.submod.parameters())
+        if backward_type not in ("full", "weight"):
+            raise RuntimeError(f"pipeline stage {self.stage_index}: unknown backward type "
+                               f"{backward_type!r}")
         sync = contextlib.nullcontext() if last_backward else root.grad_sync_suspended()
         with sync:
+            if backward_type == "weight":
+                _check_split_backward(self, root)
+                compat.pipeline_stage_backward_weight(self.submod.parameters(),
+                                                      bwd_kwargs["param_groups"])
+                root.end_backward_outside_autograd()
+                return (), None
             grads = compat.pipeline_stage_backward(
                 bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                 bwd_kwargs["input_values"])
@@ -81,3 +101,14 @@ class _AMSPStage:
         """After the stage's last backward of the step: its sync was issued by that
         backward's hooks (outside no_sync), so only the scale is left."""
         self.scale_grads(grad_scale_factor)
+
+
+def _check_split_backward(stage, root) -> None:
+    """[Note: split backward]: plain parameters only (s_p = 1 on every unit)."""
+    sharded = [unit.name for unit in root.units if unit.uses_fsdp]
+    if sharded:
+        raise NotImplementedError(
+            f"pipeline stage {stage.stage_index}: a split backward (zero-bubble schedules: "
+            f"input and weight halves) needs param_shard = 1 on the stage, but unit "
+            f"{sharded[0]} shards its parameters with FSDP2: use a plan with param=1 or a "
+            "schedule with full backwards (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)")

@@ -200,6 +200,18 @@ class RootState:
                 ) from e
         return self.backward
 
+    def end_backward_outside_autograd(self) -> None:
+        """A backward that ran outside autograd's engine (the weight half of a pipeline
+        schedule's split backward, engine/pipeline.py) left each s_p = 1 unit's grads in
+        its params' ``.grad``, with no hook run: they enter the gradient path as at the
+        end of a backward (``_flush_unfired`` reads them), syncing when not suspended."""
+        if self.backward is not None:
+            raise RuntimeError("end_backward_outside_autograd called while a backward of "
+                               "this root is still open")
+        self.finish_sync()
+        self.backward = BackwardPass(sync=self.requires_grad_sync)
+        self._end_of_backward()
+
     def on_unit_grads(self, unit: AMSPUnit, flat_p: torch.Tensor) -> None:
         """This rank's P-shard grads of ``unit`` (p_layout flat buffer), which the engine
         may keep (FSDP2 only makes views of it for ``.grad``, dropped here)."""

@@ -61,7 +61,19 @@ SCHEDULES = {  # name -> (torch class name, stages per rank)
     "gpipe": ("ScheduleGPipe", 1),
     "1f1b": ("Schedule1F1B", 1),
     "interleaved1f1b": ("ScheduleInterleaved1F1B", 2),
+    # split backwards (input and weight halves: engine/pipeline.py, [Note: split backward])
+    "interleavedzb": ("ScheduleInterleavedZeroBubble", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),  # V: rank r holds stages r and 2 pp - 1 - r
+    "dualpipev": ("ScheduleDualPipeV", 2),  # V, forward and backward of two micro-batches overlapped
 }
+
+
+def stages_of_rank(schedule: str, pp_rank: int, pp: int) -> list[int]:
+    """The stage indices a rank runs: looped (r, r + pp, ...) or, for a V schedule, r and
+    2 pp - 1 - r."""
+    if schedule in ("zbv", "dualpipev"):
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(SCHEDULES[schedule][1])]
 
 _MESHES: dict = {}  # scenarios.py's Note: one mesh per plan
 
@@ -99,7 +111,7 @@ def pipeline_training(rank, world_size, plan, schedule, steps, micro_batches, pp
     cls_name, per_rank = SCHEDULES[schedule]
     model = make_model(torch.float32)
     parts = split_stages(model, pp * per_rank)
-    mine = [pp_rank + k * pp for k in range(per_rank)]
+    mine = stages_of_rank(schedule, pp_rank, pp)
     stages, optims = [], []
     for index in mine:
         part = parts[index]
@@ -190,8 +202,14 @@ def pipeline_errors(rank, world_size):
                                      group=mesh["pp"].get_group())
     expect("stage module not sharded", lambda: amsp.pipeline_stage(plain))
     shard_stage(parts[pp_rank], mesh, plan)
-    stage = amsp.pipeline_stage(plain)
-    expect("split backward", lambda: stage.backward_maybe_with_nosync("input", {}))
+    amsp.pipeline_stage(plain)
+    # a split backward on a stage whose P is sharded by FSDP2 (s_p = 2)
+    sharded = amsp.ShardingPlan(2, 2, 2)
+    part = split_stages(make_model(torch.float32), 2)[pp_rank]
+    shard_stage(part, pipeline_mesh(sharded, ranks_per_node, 2), sharded)
+    fsdp_stage = amsp.pipeline_stage(pipelining.PipelineStage(
+        part, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group()))
+    expect("split backward", lambda: fsdp_stage.backward_maybe_with_nosync("input", {}))
     return out
 
 

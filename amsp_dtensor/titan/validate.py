@@ -248,16 +248,16 @@ UNSUPPORTED_PARALLELISM = {
     "context_parallel_degree": "context parallelism",
     "expert_parallel_degree": "expert parallelism",
 }
-# torchtitan's schedules whose backward is split in input and weight parts (zero bubble):
-# an AMSP stage runs full backwards only (amsp_dtensor/engine/pipeline.py)
+# torchtitan's schedules whose backward is split in input and weight halves (zero bubble):
+# an AMSP stage runs them with s_p = 1 only (engine/pipeline.py, [Note: split backward])
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def pipeline_stage_world(job_config, world: int, ranks_per_node: int) -> tuple[int, int]:
     """(ranks of one pipeline stage, of them per node) under [parallelism]
     pipeline_parallel_degree, checked before any process group: the degree divides the
-    world, a stage spans whole nodes or fits in one, the schedule runs full backwards,
-    and the model's layers split into the schedule's stages as torchtitan splits them."""
+    world, a stage spans whole nodes or fits in one, and the model's layers split into
+    the schedule's stages as torchtitan splits them."""
     parallelism = job_config.parallelism
     pp = parallelism.pipeline_parallel_degree
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
@@ -275,22 +275,32 @@ def pipeline_stage_world(job_config, world: int, ranks_per_node: int) -> tuple[i
             f"ranks neither fills whole nodes nor fits in one ({ranks_per_node} ranks per "
             "node); use a degree that makes world / degree a multiple or a divisor of the "
             "ranks per node")
-    schedule = parallelism.pipeline_parallel_schedule
-    csv = parallelism.pipeline_parallel_schedule_csv
-    if csv:
-        bad = _split_backward_actions(csv)
-        if bad:
-            raise AmspConfigError(
-                f"parallelism.pipeline_parallel_schedule_csv={csv!r}: has split backward "
-                f"actions ({bad}): AMSP stages run full backwards only; use B actions, or "
-                "a schedule such as 1F1B or Interleaved1F1B")
-    elif schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise AmspConfigError(
-            f"parallelism.pipeline_parallel_schedule={schedule!r}: splits each backward into "
-            "input and weight parts (zero bubble), which AMSP stages do not run; use 1F1B, "
-            "GPipe, Interleaved1F1B or LoopedBFS")
     _check_layers_split(job_config, pp)
     return stage, min(stage, ranks_per_node)
+
+
+def check_split_backward(parallelism, plan) -> None:
+    """A schedule with split backwards (zero bubble: I and W actions) runs on AMSP stages
+    whose parameters are not sharded (s_p = 1) only."""
+    if parallelism.pipeline_parallel_degree <= 1 or plan.s_p == 1:
+        return
+    csv = parallelism.pipeline_parallel_schedule_csv
+    schedule = parallelism.pipeline_parallel_schedule
+    if csv:
+        action = _split_backward_actions(csv)
+        if not action:
+            return
+        what = (f"parallelism.pipeline_parallel_schedule_csv={csv!r}: has split backward "
+                f"actions ({action})")
+    elif schedule in SPLIT_BACKWARD_SCHEDULES:
+        what = (f"parallelism.pipeline_parallel_schedule={schedule!r}: splits each backward "
+                "into input and weight halves (zero bubble)")
+    else:
+        return
+    raise AmspConfigError(
+        f"{what}, which AMSP runs with amsp.param_shard = 1 only (the plan has "
+        f"{plan.s_p}): set amsp.param_shard 1 (grad_shard and optim_shard as you like), or "
+        "use a schedule with full backwards (1F1B, GPipe, Interleaved1F1B, LoopedBFS)")
 
 
 def _split_backward_actions(csv_path: str) -> str:
@@ -457,6 +467,7 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
                 f"{e} (under parallelism.pipeline_parallel_degree={pp} the factors are those of "
                 f"one stage's data-parallel world: {job_world} / {pp}"
                 + (f" / {tp}" if tp > 1 else "") + " ranks)") from None
+    check_split_backward(job_config.parallelism, plan)
     reshard_after_forward_of(job_config, plan)
     compression_of(cfg)
     return plan
