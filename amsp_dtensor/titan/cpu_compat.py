@@ -47,6 +47,7 @@ def apply() -> bool:
     _tied_output_in_the_root_fsdp_unit()
     _no_nccl_error_handling_env()
     _no_gpu_peak_flops_probe()
+    _cpu_only_profiler()
     _applied = True
     return True
 
@@ -291,3 +292,27 @@ def _no_gpu_peak_flops_probe() -> None:
         return original(device_name)
 
     titan_utils.get_peak_flops = get_peak_flops
+
+
+# (9) torchtitan's profiler (`--profiling.enable_profiling`) asks for the CPU and the GPU
+#     activity, the latter None when there is no CUDA or XPU device:
+#       TypeError: Expected ProfilerActivity or dict, got <class 'NoneType'>
+#     The torch its profiling module sees is torch with a `profiler.profile` that drops
+#     the None. torchtitan 0.2.2, any torch.
+def _cpu_only_profiler() -> None:
+    import torchtitan.tools.profiling as titan_profiling
+
+    real = torch.profiler.profile
+
+    def profile(*args, activities=None, **kwargs):
+        if activities is not None:
+            activities = [a for a in activities if a is not None]
+        return real(*args, activities=activities, **kwargs)
+
+    profiler = types.ModuleType("torch.profiler")
+    profiler.__dict__.update(vars(torch.profiler))
+    profiler.profile = profile
+    proxy = types.ModuleType("torch")
+    proxy.__getattr__ = lambda name: getattr(torch, name)  # the rest is torch's own
+    proxy.profiler = profiler
+    titan_profiling.torch = proxy
