@@ -19,7 +19,8 @@ is run again with torchtitan's own trainer (``--model.name llama3``, unless
 ``--no-reference``). The plan AMSP applied (its start-up line) is listed beside a pass.
 Prints a markdown table (also written to OUT/features.md, and OUT/features.json);
 exit 0 when every test torchtitan's own trainer passes also passes through AMSP.
-Runs one test at a time; 8-rank tests take minutes on 2 cores.
+Runs one test at a time; 8-rank tests take minutes on 2 cores. The float8 and HF-checkpoint
+tests need the extras: ``pip install -e '.[float8,hf]'`` (torchao, safetensors).
 """
 
 from __future__ import annotations
