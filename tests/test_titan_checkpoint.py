@@ -341,7 +341,7 @@ def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
             return self.sd
 
     def optimizer(n):
-        return {"amsp_optim.0": {"state": {f"w{i}": {"exp_avg": torch.zeros(4, 4)} for i in range(n)}}}
+        return {"state": {f"w{i}": {"exp_avg": torch.zeros(4, 4)} for i in range(n)}}
 
     saved = {"w0": torch.ones(4, 4), "w1": torch.ones(4, 4), "optimizer": optimizer(2),
              "train_state": {"step": torch.tensor(2)}}
@@ -357,7 +357,7 @@ def test_titan_checkpoint_that_does_not_fit_is_refused_in_one_line(tmp_path):
         "1 model entry of this job missing from it (first: w2)": {**fits, "w2": torch.ones(4, 4)},
         "it has 1 model entry this job lacks (first: w1)": {"w0": fits["w0"], "optimizer": fits["optimizer"]},
         "1 optimizer state entry of this job missing from it (other optimizer settings?) "
-        "(first: amsp_optim.0.state.w2.exp_avg)": {**fits, "optimizer": Stateful(optimizer(3))},
+        "(first: state.w2.exp_avg)": {**fits, "optimizer": Stateful(optimizer(3))},
     }
     for message, states in cases.items():
         with pytest.raises(CheckpointMismatch) as e:

@@ -32,7 +32,7 @@ from ..engine.compression import residual_norm
 from ..engine.overlap import set_overlap
 from ..checkpoint import OTHER_SETTINGS, check_complete, check_entries_fit
 from .dataloader import ReshardableDataloader, checkpoint_keys
-from .optimizer import RESIDUALS, AmspOptimizersContainer
+from .optimizer import RESIDUALS, AmspOptimizersContainer, refuse_part_keyed
 from .rng import STATE_KEY as RNG_KEY
 from .rng import RngState
 from .parallelize import amsp_plan_of
@@ -100,6 +100,8 @@ def _refuse_misfits(dcp_load, pipelined: bool = False):
         metadata = FileSystemReader(checkpoint_id).read_metadata()
         optimizers = state_dict.get(OPTIMIZER)
         amsp_optimizers = isinstance(optimizers, AmspOptimizersContainer)
+        if optimizers is not None:
+            refuse_part_keyed(checkpoint_id, metadata)
         try:
             if amsp_optimizers:  # its residual entries fit this file (or are left out) from now
                 optimizers.expect_checkpoint(checkpoint_id, metadata)
