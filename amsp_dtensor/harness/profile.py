@@ -3,7 +3,7 @@
     torchrun --nproc_per_node N -m amsp_dtensor.plan.profile --out table.json \
         [--ranks-per-node R] [--min-bytes 4] [--max-bytes 16M] [--backend gloo|nccl]
 
-For every group shape that appears in any valid plan of this world (cost/comm.py: "p",
+For every group shape that appears in any valid plan of this world (plan/cost/comm.py: "p",
 "g", "os", "rep", "shard" groups and hpZ's intra-node group: arithmetic progressions of
 ranks, contiguous or strided), every rank joins its group of that shape and all groups run
 the collective at once, as in a training step (so groups that share a node's links contend
@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
-from .cost.bandwidth import SCHEMA
-from .cost.comm import group_shape
-from .sharding_plan import enumerate_plans
+from ..plan import enumerate_plans
+from ..plan.cost.bandwidth import SCHEMA
+from ..plan.cost.comm import group_shape
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
