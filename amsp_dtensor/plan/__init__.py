@@ -18,7 +18,9 @@ from .sharding_plan import (
     ShardingPlan,
     data_parallel_world,
     enumerate_plans,
+    resolve_factor,
+    tp_outside_node,
 )
 
 __all__ = ["BASELINES", "Factor", "ResolvedPlan", "STRATEGY_NAMES", "ShardingPlan",
-           "data_parallel_world", "enumerate_plans"]
+           "data_parallel_world", "enumerate_plans", "resolve_factor", "tp_outside_node"]

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_dtensor.plan.sharding_plan import STRATEGY_NAMES, ResolvedPlan, ShardingPlan, valid_factors
-from amsp_dtensor.plan.sharding_plan import _resolve_factor
+from amsp_dtensor.plan.sharding_plan import (STRATEGY_NAMES, ResolvedPlan, ShardingPlan,
+                                             resolve_factor, tp_outside_node, valid_factors)
 from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError
@@ -54,7 +54,7 @@ def _factor_value(key: str, value: Any, world: int, rpn: int) -> int:
             f"{', '.join(STRATEGY_NAMES)}"
         )
     try:  # names -> ints and positivity, by the plan module's own parser
-        s = _resolve_factor(key, value, world, rpn)
+        s = resolve_factor(key, value, world, rpn)
     except ValueError as e:
         raise AmspConfigError(f"amsp.{key}={value!r}: {e}") from None
     ok = valid_factors(world, rpn)
@@ -380,12 +380,10 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
     tp = parallelism.tensor_parallel_degree
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise AmspConfigError(f"parallelism.tensor_parallel_degree={tp!r}: must be a positive int")
-    if ranks_per_node % tp:
-        raise AmspConfigError(
-            f"parallelism.tensor_parallel_degree={tp}: does not divide the {ranks_per_node} "
-            "ranks per node; tensor-parallel groups must lie inside a node (use a divisor "
-            "of the ranks per node)"
-        )
+    problem = tp_outside_node(tp, ranks_per_node, f"parallelism.tensor_parallel_degree={tp}:",
+                              f"the {ranks_per_node} ranks per node")
+    if problem is not None:
+        raise AmspConfigError(problem)
     seq_len = job_config.training.seq_len
     if seq_len % tp:
         raise AmspConfigError(
