@@ -471,6 +471,24 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     return plan
 
 
+_KEPT = "_resolved_plan"  # on job_config.amsp: (job world, the ResolvedPlan of job_plan)
+
+
+def job_plan(job_config, world: int | None = None) -> ResolvedPlan:
+    """The job's plan, resolved once per job, as torchtitan's ParallelDims validates itself
+    once: the first call validates ``job_config`` for ``world`` (``resolve_plan``) and keeps
+    the ResolvedPlan on it; later calls for the same world return that same object.
+    amsp_dtensor.train calls it before start-up, the parallelize_fn builds the mesh from it
+    (amsp.init_mesh keeps it as the mesh's plan), and every unit reads it from the mesh."""
+    world = world_from_env()[0] if world is None else world
+    kept = getattr(job_config.amsp, _KEPT, None)
+    if kept is not None and kept[0] == world:
+        return kept[1]
+    plan = resolve_plan(job_config, world=world)
+    setattr(job_config.amsp, _KEPT, (world, plan))
+    return plan
+
+
 def compression_of(cfg: Amsp) -> Compression:
     """amsp.compress_grads / amsp.compress_weights as amsp.set_compression's setting."""
     values = {}
