@@ -157,7 +157,7 @@ def warn_multi_node_restarts() -> None:
 def check_amsp(job_config, amsp_given: bool = False):
     """Validate [amsp] and the model for this world (WORLD_SIZE / LOCAL_WORLD_SIZE);
     None if not an AMSP model (then a warning if ``amsp_given``: its keys are unused)."""
-    from amsp_dtensor.titan import amsp_name, check_model, resolve_plan, uses_amsp
+    from amsp_dtensor.titan import amsp_name, check_model, job_plan, uses_amsp
 
     if not uses_amsp(job_config.model.name):
         amsp_cfg = getattr(job_config, "amsp", None)
@@ -172,7 +172,7 @@ def check_amsp(job_config, amsp_given: bool = False):
                 f"{amsp_name(job_config.model.name)})"
             )
         return None
-    plan = resolve_plan(job_config)  # [amsp], [parallelism], settings AMSP cannot honour
+    plan = job_plan(job_config)  # [amsp], [parallelism], settings AMSP cannot honour (kept)
     check_model(job_config)
     return plan
 

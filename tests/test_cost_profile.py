@@ -13,7 +13,7 @@ import pytest
 from amsp_dtensor.plan.cost.bandwidth import load_table
 from amsp_dtensor.plan.cost.comm import dim_group
 from amsp_dtensor.plan import enumerate_plans
-from amsp_dtensor.plan.profile import _numel, _size, group_shapes, groups_of
+from amsp_dtensor.harness.profile import _numel, _size, group_shapes, groups_of
 
 
 def test_sizes():
@@ -31,7 +31,7 @@ def test_sizes_round_to_whole_elements_per_rank():
 def test_bad_arguments_exit_2_naming_the_flag(capsys):
     """Checked before any process group: argparse's one line and exit status 2 (run
     in-process; a subprocess per flag cost ~8 s of imports each)."""
-    from amsp_dtensor.plan import profile
+    from amsp_dtensor.harness import profile
 
     for flag in ("--rounds", "--repeats", "--min-bytes"):
         with pytest.raises(SystemExit) as exit_:

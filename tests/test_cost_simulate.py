@@ -12,7 +12,7 @@ from amsp_dtensor.plan.cost.comm import predicted_events
 from amsp_dtensor.plan.cost.memory import state_bytes_of_rank, step_bytes
 from amsp_dtensor.plan.cost.models import MODELS
 from amsp_dtensor.plan import ShardingPlan
-from amsp_dtensor.plan.simulate import main
+from amsp_dtensor.harness.simulate import main
 
 PLANS = ["p8-g64-os64", "p1-g1-os8", "p2-g2-os16", "p1-g16-os16", "p64-g64-os64"]
 

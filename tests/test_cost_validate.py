@@ -1,4 +1,4 @@
-"""The cost-model validation harness (amsp_dtensor/plan/validate.py) on 2 gloo ranks:
+"""The cost-model validation harness (amsp_dtensor/harness/validate.py) on 2 gloo ranks:
 every collective of a real step of the debugmodel is timed, and its calls are the
 planner's predicted events, one for one. The numbers of the 4-rank runs (predicted vs
 measured communication time and peak memory) come from tools/cost_validation.sh and are
@@ -17,7 +17,7 @@ import pytest
 
 from amsp_dtensor.plan.cost.comm import predicted_events
 from amsp_dtensor.plan.cost.models import MODELS
-from amsp_dtensor.plan.validate import call_breakdown, summarize
+from amsp_dtensor.harness.validate import call_breakdown, summarize
 from amsp_dtensor.plan import ShardingPlan
 
 pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
@@ -93,7 +93,7 @@ def test_summarize_cli_needs_a_table_or_memory(run, tmp_path, capsys):
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(r))
     # `python -m amsp_dtensor.plan.validate summarize ...`, run in-process
-    from amsp_dtensor.plan.validate import summarize_main
+    from amsp_dtensor.harness.validate import summarize_main
 
     with pytest.raises(SystemExit) as exit_:
         summarize_main([str(bare)])

@@ -3,7 +3,10 @@ the dependencies that show the architecture hold.
 
 - ``engine/`` (what runs in a step) imports neither torchtitan, nor the integration
   (``titan/``), nor the cost model (``plan/cost/``);
-- ``plan/cost/`` (the pure model) imports nothing of the engine or the integration.
+- ``plan/cost/`` (the pure model) imports nothing of the engine or the integration;
+- ``plan/`` (the plan and the cost model, the lowest floor) imports nothing of the package
+  outside ``plan/``, nor torchtitan: the commands that drive the engine live in
+  ``harness/``, and plan/'s entries for them import nothing.
 
 Imports inside functions count (a function-level import that only hides a cycle or a
 layering break is still one), and so does the subpackage ``__init__`` that importing one
@@ -86,10 +89,10 @@ def breaks(graph, prefix: str, forbidden: list[str]) -> list[str]:
                   for d in deps if any(d == f or d.startswith(f + ".") for f in forbidden))
 
 
-def _package_graph():
+def _package_graph(package_dir: Path = PACKAGE):
     trees = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    for path in sorted(package_dir.rglob("*.py")):
+        rel = path.relative_to(package_dir.parent).with_suffix("")
         name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         trees[name] = (ast.parse(path.read_text()), rel.name == "__init__")
     return import_graph(trees, prefixes=("amsp_dtensor", "torchtitan"))
@@ -114,6 +117,24 @@ def test_the_cost_model_imports_no_engine():
                   ["amsp_dtensor.engine", "amsp_dtensor.titan", "torchtitan"]) == []
 
 
+def plan_breaks(package_dir: Path = PACKAGE) -> list[str]:
+    """Imports of ``amsp_dtensor/plan/`` (under ``package_dir``) that leave the plan: any
+    amsp_dtensor module outside amsp_dtensor.plan (the package root included), or
+    torchtitan."""
+    graph = _package_graph(package_dir)
+    assert any(m.startswith("amsp_dtensor.plan.") for m in graph), "no plan modules found"
+    return sorted(line for line in breaks(graph, "amsp_dtensor.plan", ["amsp_dtensor", "torchtitan"])
+                  if not _inside_plan(line.rsplit(" imports ", 1)[1]))
+
+
+def _inside_plan(name: str) -> bool:
+    return name == "amsp_dtensor.plan" or name.startswith("amsp_dtensor.plan.")
+
+
+def test_the_plan_imports_nothing_above_it():
+    assert plan_breaks() == []
+
+
 def test_the_checks_can_fail():
     """A cycle through a function-level import, and a rule broken by one import inside a
     function, are found."""
@@ -129,3 +150,15 @@ def test_the_checks_can_fail():
     assert breaks(graph, "amsp_dtensor.engine", ["amsp_dtensor.titan"]) == [
         "amsp_dtensor.engine.grad imports amsp_dtensor.titan",
         "amsp_dtensor.engine.grad imports amsp_dtensor.titan.trainer"]
+    trees = {"amsp_dtensor.plan": (parse(""), True),
+             "amsp_dtensor.plan.profile": (parse("from .. import compat\n"), False),
+             "amsp_dtensor.plan.simulate": (parse("def f():\n    import amsp_dtensor as amsp\n"
+                                                  "    from torchtitan.models import llama3\n"
+                                                  "    from amsp_dtensor.plan import cost\n"), False)}
+    graph = import_graph(trees, prefixes=("amsp_dtensor", "torchtitan"))
+    left = [line for line in breaks(graph, "amsp_dtensor.plan", ["amsp_dtensor", "torchtitan"])
+            if not _inside_plan(line.rsplit(" imports ", 1)[1])]
+    assert left == ["amsp_dtensor.plan.profile imports amsp_dtensor.compat",
+                    "amsp_dtensor.plan.simulate imports amsp_dtensor",
+                    "amsp_dtensor.plan.simulate imports torchtitan.models",
+                    "amsp_dtensor.plan.simulate imports torchtitan.models.llama3"]

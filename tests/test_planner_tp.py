@@ -392,7 +392,7 @@ CLI = ["--model", "llama3_70b", "--gpus", "1024", "--gpus-per-node", "8", "--gpu
 
 @pytest.mark.parametrize("extra, message", [
     (["--tp", "3"], "--tp 3 does not divide --gpus-per-node 8: a TP group must sit inside "
-                    "one node; use one of 1, 2, 4, 8"),
+                    "one node (consecutive ranks, tp innermost); use one of 1, 2, 4, 8"),
     (["--tp", "x"], "argument --tp: invalid value 'x' (a TP degree or 'auto')"),
     (["--tp", "0"], "--tp must be positive or auto, got 0"),
     (["--tp", "8", "--global-batch-tokens", str(8192 * 64)],

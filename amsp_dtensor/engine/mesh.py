@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import handle
 from ..plan import ResolvedPlan, ShardingPlan
-from ..plan.sharding_plan import data_parallel_world
+from ..plan.sharding_plan import data_parallel_world, resolve_factor
 
 MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
@@ -204,6 +204,10 @@ def init_mesh(
 ) -> DeviceMesh:
     """Build the AMSP DeviceMesh for ``plan`` over the default process group.
 
+    ``plan``: a ShardingPlan, resolved here for this job, or a ResolvedPlan already
+    resolved for it (for its data-parallel world, below), which is checked against the
+    job and kept as it is. Either way the mesh carries that one resolved plan
+    (``mesh_info(mesh).plan``), and ``amsp.fully_shard`` reads it from the mesh.
     ``ranks_per_node`` defaults to LOCAL_WORLD_SIZE (torchrun sets it). The process
     group must already be initialised (``dist.init_process_group``). ``tp``: the tensor-
     parallel degree (torchtitan's ``tensor_parallel_degree``); it must divide
@@ -344,7 +348,8 @@ def _resolve_under_tp(plan: ShardingPlan, dp_world: int, dp_per_node: int, tp: i
 
 
 def mesh_info(mesh: DeviceMesh, plan: ShardingPlan | ResolvedPlan | None = None) -> MeshInfo:
-    """The MeshInfo of a mesh made by init_mesh, checked against ``plan`` if given."""
+    """The MeshInfo of a mesh made by init_mesh (its ``plan`` is the one resolved plan the
+    mesh was built for), checked against ``plan`` if given."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh from amsp.init_mesh, got {type(mesh).__name__}")
     info = handle.mesh_info_of(mesh)
@@ -353,17 +358,26 @@ def mesh_info(mesh: DeviceMesh, plan: ShardingPlan | ResolvedPlan | None = None)
             f"mesh {mesh.mesh_dim_names} was not made by amsp.init_mesh(plan): build it with "
             "amsp.init_mesh so its dims match the plan"
         )
-    if plan is not None:
-        if isinstance(plan, ShardingPlan):
-            want = plan.resolve(info.plan.world_size, info.plan.ranks_per_node)
-        elif isinstance(plan, ResolvedPlan):
-            want = plan
-        else:
-            raise TypeError(f"plan must be amsp.ShardingPlan, got {type(plan).__name__}")
-        got = info.plan
-        if (want.s_p, want.s_g, want.s_os) != (got.s_p, got.s_g, got.s_os):
-            raise ValueError(
-                f"plan {want.name} does not match the mesh, which was built for {got.name}: "
-                "pass the same plan to init_mesh and fully_shard"
-            )
+    if plan is not None and plan is not info.plan:
+        _check_plan_agrees(plan, info.plan)
     return info
+
+
+def _check_plan_agrees(plan: ShardingPlan | ResolvedPlan, got: ResolvedPlan) -> None:
+    """``plan`` asks for the factors the mesh was built for (``got``). A ShardingPlan's
+    names are read on the mesh's world; the plan is not resolved again (init_mesh did)."""
+    if isinstance(plan, ResolvedPlan):
+        want = (plan.s_p, plan.s_g, plan.s_os)
+    elif isinstance(plan, ShardingPlan):
+        world, per_node = got.world_size, got.ranks_per_node
+        want = tuple(resolve_factor(key, value, world, per_node) for key, value in
+                     (("param", plan.param), ("grad", plan.grad), ("optim", plan.optim)))
+    else:
+        raise TypeError(f"plan must be amsp.ShardingPlan, got {type(plan).__name__}")
+    if want != (got.s_p, got.s_g, got.s_os):
+        asked = "p{}-g{}-os{}".format(*want)
+        raise ValueError(
+            f"plan {asked} does not match the mesh, which was built for {got.name}: pass "
+            "the same plan to init_mesh and fully_shard, or leave fully_shard's plan out "
+            "(it reads the mesh's)"
+        )

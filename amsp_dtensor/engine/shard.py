@@ -135,7 +135,7 @@ def _check_module(module: nn.Module) -> None:
 def _check_args(modules, mesh, plan, mp_policy, reshard_after_forward):
     for module in modules:
         _check_module(module)
-    if not isinstance(plan, (ShardingPlan, ResolvedPlan)):
+    if plan is not None and not isinstance(plan, (ShardingPlan, ResolvedPlan)):
         raise TypeError(f"plan must be amsp.ShardingPlan, got {type(plan).__name__}")
 
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -163,19 +163,21 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh,
-    plan: ShardingPlan,
+    plan: ShardingPlan | ResolvedPlan | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int | None = None,
 ) -> nn.Module | list[nn.Module]:
-    """Shard ``module``'s own params by ``plan`` (P over "p"; G and OS by the engine).
+    """Shard ``module``'s own params by the mesh's plan (P over "p"; G and OS by the engine).
 
     ``module`` may be a list of sibling modules that form one unit, as with FSDP2
     (torchtitan shards ``[model.norm, model.output]`` together); a list is never the
     root, so shard the model containing it afterwards. ``mesh`` comes from
-    ``amsp.init_mesh(plan)``. ``mp_policy`` and ``reshard_after_forward`` are FSDP2's
-    and are passed to it (they have no effect when param_shard is 1, where there is no
-    all-gather). For the paper's bf16 setting cast the model to bf16 first: the engine
-    keeps fp32 master weights in the OS layout.
+    ``amsp.init_mesh(plan)`` and carries the plan resolved there, which every unit reads;
+    ``plan``, if given, must ask for the same factors (a ValueError names both when it
+    does not). ``mp_policy`` and ``reshard_after_forward`` are FSDP2's and are passed to
+    it (they have no effect when param_shard is 1, where there is no all-gather). For the
+    paper's bf16 setting cast the model to bf16 first: the engine keeps fp32 master
+    weights in the OS layout.
     """
     modules = _as_module_list(module)
     info = _check_args(modules, mesh, plan, mp_policy, reshard_after_forward)

@@ -1,11 +1,13 @@
 """The planner: the sharding plan (the value object every other part takes), the cost
 model that prices it (``cost/``: memory, collectives, step time, the search over plans),
-and the commands around them: ``python -m amsp_dtensor.plan`` (choose a plan), ``profile``
-(measure this cluster's bandwidth table), ``simulate`` (one rank of a large job on
-torch's fake process group) and ``validate`` (a real run against the model).
+and ``python -m amsp_dtensor.plan`` (choose a plan). The commands that drive the engine to
+check the model, ``profile`` (measure this cluster's bandwidth table), ``simulate`` (one
+rank of a large job on torch's fake process group) and ``validate`` (a real run against
+the model), live in amsp_dtensor.harness; ``python -m amsp_dtensor.plan.<command>`` runs
+them. Nothing here imports another part of amsp_dtensor (tests/test_layout.py).
 
-Importing this package loads only the value object; the cost model and the commands are
-imported where they are used.
+Importing this package loads only the value object; the cost model is imported where it
+is used.
 """
 
 from .sharding_plan import (
@@ -16,7 +18,9 @@ from .sharding_plan import (
     ShardingPlan,
     data_parallel_world,
     enumerate_plans,
+    resolve_factor,
+    tp_outside_node,
 )
 
 __all__ = ["BASELINES", "Factor", "ResolvedPlan", "STRATEGY_NAMES", "ShardingPlan",
-           "data_parallel_world", "enumerate_plans"]
+           "data_parallel_world", "enumerate_plans", "resolve_factor", "tp_outside_node"]

@@ -22,6 +22,7 @@ import json
 import math
 import sys
 
+from amsp_dtensor.plan import tp_outside_node
 from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError
 from amsp_dtensor.plan.compression import CODECS, Compression
 from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
@@ -190,12 +191,10 @@ def _check_tp(args, model: ModelShape) -> None:
         return
     if args.tp < 1:
         raise UsageError(f"--tp must be positive or auto, got {args.tp}")
-    if args.gpus_per_node % args.tp:
-        fits = ", ".join(str(d) for d in range(1, args.gpus_per_node + 1)
-                         if args.gpus_per_node % d == 0)
-        raise UsageError(f"--tp {args.tp} does not divide --gpus-per-node "
-                         f"{args.gpus_per_node}: a TP group must sit inside one node; use "
-                         f"one of {fits}")
+    problem = tp_outside_node(args.tp, args.gpus_per_node, f"--tp {args.tp}",
+                              f"--gpus-per-node {args.gpus_per_node}")
+    if problem is not None:
+        raise UsageError(problem)
     try:
         model.check_tensor_parallel(args.tp)
         check_sequence_parallel(args.seq_len, args.tp)

@@ -39,10 +39,15 @@ __all__ = [
     "enumerate_plans",
     "data_parallel_world",
     "BASELINES",
+    "resolve_factor",
+    "tp_outside_node",
 ]
 
 
-def _resolve_factor(key: str, value: Factor, world_size: int, ranks_per_node: int) -> int:
+def resolve_factor(key: str, value: Factor, world_size: int, ranks_per_node: int) -> int:
+    """One factor as an int: a strategy name ("replica", "node", "full") or a positive
+    int (or its digits); TypeError / ValueError naming ``key`` otherwise. The rules
+    between factors and the world are checked by ``ShardingPlan.resolve``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(
             f"{key} must be an int factor or one of {STRATEGY_NAMES}, got "
@@ -51,7 +56,7 @@ def _resolve_factor(key: str, value: Factor, world_size: int, ranks_per_node: in
     if isinstance(value, str):
         name = value.strip().lower()
         if name.isdigit():
-            return _resolve_factor(key, int(name), world_size, ranks_per_node)
+            return resolve_factor(key, int(name), world_size, ranks_per_node)
         if name == "replica":
             return 1
         if name == "node":
@@ -133,9 +138,9 @@ class ShardingPlan:
                 f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
                 "every node must run the same number of ranks"
             )
-        s_p = _resolve_factor("param", self.param, world_size, ranks_per_node)
-        s_g = _resolve_factor("grad", self.grad, world_size, ranks_per_node)
-        s_os = _resolve_factor("optim", self.optim, world_size, ranks_per_node)
+        s_p = resolve_factor("param", self.param, world_size, ranks_per_node)
+        s_g = resolve_factor("grad", self.grad, world_size, ranks_per_node)
+        s_os = resolve_factor("optim", self.optim, world_size, ranks_per_node)
         resolved = ResolvedPlan(s_p, s_g, s_os, world_size, ranks_per_node)
         problem = resolved.violation()
         if problem is not None:
@@ -237,13 +242,9 @@ def data_parallel_world(
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
             or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
-    if ranks_per_node % t:
-        fits = ", ".join(str(d) for d in _divisors(ranks_per_node))
-        raise ValueError(
-            f"{name}={t} does not divide ranks_per_node={ranks_per_node}: "
-            f"a TP group must sit inside one node (consecutive ranks, tp innermost); "
-            f"use one of {fits}"
-        )
+    problem = tp_outside_node(t, ranks_per_node, f"{name}={t}", f"ranks_per_node={ranks_per_node}")
+    if problem is not None:
+        raise ValueError(problem)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if world_size % ranks_per_node:
@@ -252,6 +253,18 @@ def data_parallel_world(
             "every node must run the same number of ranks"
         )
     return world_size // t, ranks_per_node // t
+
+
+def tp_outside_node(tp: int, ranks_per_node: int, tp_as: str, node_as: str) -> str | None:
+    """The one rule of where TP groups sit: TP ranks are consecutive ranks of one node
+    ("tp" innermost, as torchtitan builds its mesh), so the degree must divide the ranks
+    per node. None when it does, else the refusal, naming the degree and the node as the
+    caller calls them (``tp_as``, ``node_as``: "tp=3", "ranks_per_node=4")."""
+    if ranks_per_node % tp == 0:
+        return None
+    fits = ", ".join(str(d) for d in _divisors(ranks_per_node))
+    return (f"{tp_as} does not divide {node_as}: a TP group must sit inside one node "
+            f"(consecutive ranks, tp innermost); use one of {fits}")
 
 
 def enumerate_plans(

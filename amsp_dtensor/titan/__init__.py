@@ -22,7 +22,7 @@ from .specs import (  # noqa: E402
     register_eager_variants,
     uses_amsp,
 )
-from .validate import AmspConfigError, resolve_plan  # noqa: E402
+from .validate import AmspConfigError, job_plan, resolve_plan  # noqa: E402
 
 TRAIN_SPEC_NAME = "llama3_amsp"
 
@@ -45,6 +45,7 @@ __all__ = [
     "amsp_train_spec",
     "check_model",
     "ensure_registered",
+    "job_plan",
     "parallelize_llama_amsp",
     "register_amsp_variant",
     "resolve_plan",

@@ -33,8 +33,8 @@ from ..engine import handle
 from .. import compat
 from ..compat import titan_sac_save_list
 
-from .validate import (AmspConfigError, compression_of, job_ranks_per_node,
-                       reshard_after_forward_of, resolve_plan)
+from .validate import (AmspConfigError, compression_of, job_plan, job_ranks_per_node,
+                       reshard_after_forward_of)
 from .weights import init_full_model, keep_weights
 
 def amsp_plan_of(model: nn.Module):
@@ -126,16 +126,17 @@ def _pipeline_stage(model: nn.Module) -> bool:
 _PIPELINE_MESHES: dict = {}  # one mesh per plan and degrees, shared by a rank's stages
 
 
-def _mesh(amsp, sharding, plan, tp: int, pp: int, ranks_per_node: int):
-    """The AMSP mesh; under pipeline parallelism one for all stages of this rank (each
+def _mesh(amsp, plan, tp: int, pp: int, ranks_per_node: int):
+    """The AMSP mesh of the job's resolved plan (init_mesh keeps that object as the
+    mesh's plan); under pipeline parallelism one for all stages of this rank (each
     init_mesh makes process groups: looped schedules parallelize several parts)."""
     if pp == 1:
-        return amsp.init_mesh(sharding, ranks_per_node=plan.ranks_per_node * tp,
+        return amsp.init_mesh(plan, ranks_per_node=plan.ranks_per_node * tp,
                               device_type=device_type, tp=tp)
     key = (plan.s_p, plan.s_g, plan.s_os, ranks_per_node, tp, pp,
            id(torch.distributed.group.WORLD))
     if key not in _PIPELINE_MESHES:
-        _PIPELINE_MESHES[key] = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node,
+        _PIPELINE_MESHES[key] = amsp.init_mesh(plan, ranks_per_node=ranks_per_node,
                                                device_type=device_type, tp=tp, pp=pp)
     return _PIPELINE_MESHES[key]
 
@@ -154,11 +155,10 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
     def parallelize_amsp(model: nn.Module, parallel_dims: ParallelDims, job_config):
         import amsp_dtensor as amsp
 
-        plan = resolve_plan(job_config, world=parallel_dims.world_size)
+        plan = job_plan(job_config, world=parallel_dims.world_size)  # resolved once per job
         tp, pp = parallel_dims.tp, parallel_dims.pp
         blocks = _blocks(model)
-        sharding = amsp.ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
-        mesh = _mesh(amsp, sharding, plan, tp, pp, job_ranks_per_node(job_config))
+        mesh = _mesh(amsp, plan, tp, pp, job_ranks_per_node(job_config))
         full_init = job_config.amsp.init_full_model
         if tp > 1:
             # [Note: TP, then everything else] As parallelize_llama: TP first, on the plain
@@ -196,15 +196,15 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         raf, raf_last = reshard_after_forward_of(job_config, plan)
         ends = _end_units(model)
         if ends and ends[0] is not None:
-            amsp.fully_shard(ends[0], mesh=mesh, plan=sharding, mp_policy=mp_policy,
+            amsp.fully_shard(ends[0], mesh=mesh, mp_policy=mp_policy,
                              reshard_after_forward=raf)
         for block in blocks:
-            amsp.fully_shard(block, mesh=mesh, plan=sharding, mp_policy=mp_policy,
+            amsp.fully_shard(block, mesh=mesh, mp_policy=mp_policy,
                              reshard_after_forward=raf)
         if ends and ends[1] is not None:
-            amsp.fully_shard(ends[1], mesh=mesh, plan=sharding, mp_policy=mp_policy,
+            amsp.fully_shard(ends[1], mesh=mesh, mp_policy=mp_policy,
                              reshard_after_forward=raf_last)
-        amsp.fully_shard(model, mesh=mesh, plan=sharding, mp_policy=mp_policy)
+        amsp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         # torchtitan divides the loss by the global token count itself (Trainer.train_step):
         # the engine must sum gradients, not average them over ranks.
         amsp.set_gradient_divide_factor(model, 1.0)

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_dtensor.plan.sharding_plan import STRATEGY_NAMES, ResolvedPlan, ShardingPlan, valid_factors
-from amsp_dtensor.plan.sharding_plan import _resolve_factor
+from amsp_dtensor.plan.sharding_plan import (STRATEGY_NAMES, ResolvedPlan, ShardingPlan,
+                                             resolve_factor, tp_outside_node, valid_factors)
 from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError
@@ -54,7 +54,7 @@ def _factor_value(key: str, value: Any, world: int, rpn: int) -> int:
             f"{', '.join(STRATEGY_NAMES)}"
         )
     try:  # names -> ints and positivity, by the plan module's own parser
-        s = _resolve_factor(key, value, world, rpn)
+        s = resolve_factor(key, value, world, rpn)
     except ValueError as e:
         raise AmspConfigError(f"amsp.{key}={value!r}: {e}") from None
     ok = valid_factors(world, rpn)
@@ -380,12 +380,10 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
     tp = parallelism.tensor_parallel_degree
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise AmspConfigError(f"parallelism.tensor_parallel_degree={tp!r}: must be a positive int")
-    if ranks_per_node % tp:
-        raise AmspConfigError(
-            f"parallelism.tensor_parallel_degree={tp}: does not divide the {ranks_per_node} "
-            "ranks per node; tensor-parallel groups must lie inside a node (use a divisor "
-            "of the ranks per node)"
-        )
+    problem = tp_outside_node(tp, ranks_per_node, f"parallelism.tensor_parallel_degree={tp}:",
+                              f"the {ranks_per_node} ranks per node")
+    if problem is not None:
+        raise AmspConfigError(problem)
     seq_len = job_config.training.seq_len
     if seq_len % tp:
         raise AmspConfigError(
@@ -470,6 +468,24 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     check_split_backward(job_config.parallelism, plan)
     reshard_after_forward_of(job_config, plan)
     compression_of(cfg)
+    return plan
+
+
+_KEPT = "_resolved_plan"  # on job_config.amsp: (job world, the ResolvedPlan of job_plan)
+
+
+def job_plan(job_config, world: int | None = None) -> ResolvedPlan:
+    """The job's plan, resolved once per job, as torchtitan's ParallelDims validates itself
+    once: the first call validates ``job_config`` for ``world`` (``resolve_plan``) and keeps
+    the ResolvedPlan on it; later calls for the same world return that same object.
+    amsp_dtensor.train calls it before start-up, the parallelize_fn builds the mesh from it
+    (amsp.init_mesh keeps it as the mesh's plan), and every unit reads it from the mesh."""
+    world = world_from_env()[0] if world is None else world
+    kept = getattr(job_config.amsp, _KEPT, None)
+    if kept is not None and kept[0] == world:
+        return kept[1]
+    plan = resolve_plan(job_config, world=world)
+    setattr(job_config.amsp, _KEPT, (world, plan))
     return plan
 
 

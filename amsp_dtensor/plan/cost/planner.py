@@ -35,6 +35,7 @@ from ..sharding_plan import (
     ShardingPlan,
     data_parallel_world,
     enumerate_plans,
+    tp_outside_node,
 )
 from .bandwidth import BandwidthTable, load_table
 from ..compression import Compression
@@ -456,7 +457,8 @@ def tp_degrees(model: ModelShape, ranks_per_node: int, seq_len: int) -> list[int
     torchtitan can split this model and sequence by."""
     out = []
     for t in range(1, min(ranks_per_node, MAX_AUTO_TP) + 1):
-        if ranks_per_node % t or model.kv_heads % t or (t > 1 and seq_len % (2 * t)):
+        if (tp_outside_node(t, ranks_per_node, f"tp={t}", "the node") is not None
+                or model.kv_heads % t or (t > 1 and seq_len % (2 * t))):
             continue
         out.append(t)
     return out
