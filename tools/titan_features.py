@@ -43,6 +43,12 @@ RECIPE = REPO / "recipes" / "debug_cpu.toml"
 ERROR_PREFIX = "amsp_dtensor.train: error: "
 # a checkpoint path features.py names relative to torchtitan's output folder
 OUTPUT_DIR = "artifacts-to-be-uploaded"
+# What a test takes from torchtitan's debug config (its base) that the debug recipe sets
+# otherwise: pp_custom_csv's schedule file lists 8 micro-batches, one per sequence of
+# that config's local batch of 8 (the recipe's 2 give 2 micro-batches, which torch's
+# schedule refuses: "Got 8 FORWARD microbatches for stage 0, expected 2").
+BASE_CONFIG = {"pp_custom_csv": ["--training.local_batch_size", "8",
+                                 "--training.global_batch_size", "-1"]}
 
 
 def load_feature_list(src: Path) -> list:
@@ -132,7 +138,7 @@ def run_test(test, src: Path, work: Path, steps: int, timeout: int, amsp: bool) 
                         "--amsp.optim_shard", "dp", "--amsp.ranks_per_node", "0"]
             else:
                 cmd += ["--model.name", "llama3"]
-            cmd += args
+            cmd += BASE_CONFIG.get(test.test_name, []) + args
             cwd = work
         start = time.monotonic()
         proc = subprocess.run(["timeout", str(timeout), *cmd], cwd=cwd, env=env,
