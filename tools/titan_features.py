@@ -47,6 +47,10 @@ OUTPUT_DIR = "artifacts-to-be-uploaded"
 # otherwise: pp_custom_csv's schedule file lists 8 micro-batches, one per sequence of
 # that config's local batch of 8 (the recipe's 2 give 2 micro-batches, which torch's
 # schedule refuses: "Got 8 FORWARD microbatches for stage 0, expected 2").
+GENERATE_WITH_SHIMS = (
+    "import runpy, sys; from amsp_dtensor.titan import cpu_compat; cpu_compat.apply(); "
+    "import amsp_dtensor.titan; module = sys.argv.pop(1); "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)")
 BASE_CONFIG = {"pp_custom_csv": ["--training.local_batch_size", "8",
                                  "--training.global_batch_size", "-1"]}
 
@@ -123,11 +127,14 @@ def run_test(test, src: Path, work: Path, steps: int, timeout: int, amsp: bool) 
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(test.ngpu)]
         if test.test_name == "test_generate" and index == 1:
-            # torchtitan's generation script on the checkpoint the first run saved
-            cmd = [*base, "-m", "scripts.generate.test_generate", f"--config={RECIPE}",
+            # torchtitan's generation script on the checkpoint the first run saved, with
+            # the CPU shims applied and the AMSP train specs registered first (the script
+            # imports torchtitan itself: without the shims, "No module named 'triton'")
+            cmd = [*base, "--no-python", sys.executable, "-c", GENERATE_WITH_SHIMS,
+                   "scripts.generate.test_generate", f"--config={RECIPE}",
                    f"--checkpoint={dump / 'checkpoint' / f'step-{steps}'}",
                    "--prompt=What is the meaning of life?", "--out"]
-            cwd = src
+            cwd = work  # the recipe's relative data paths resolve there (main's links)
         else:
             cmd = [*base, "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
                    "--job.dump_folder", str(dump), "--training.steps", str(steps),
@@ -202,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "tests").unlink(missing_ok=True)  # features.py's relative asset paths
     (work / "tests").symlink_to(src / "tests")
+    (work / "outputs").unlink(missing_ok=True)  # the recipe's ./outputs/amsp_data
+    (work / "outputs").symlink_to(REPO / "outputs")
     rows = []
     for test in tests:
         with _locked(args.lock):
