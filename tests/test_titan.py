@@ -58,6 +58,18 @@ def losses(dump: Path) -> list[float]:
     return [curve[s] for s in sorted(curve)]
 
 
+def save_seed_checkpoint(dump: Path) -> Path:
+    """One full model saved by torchtitan on one rank under ``dump``, the folder of its
+    step (for ``--checkpoint.initial_load_path``, model only)."""
+    torchrun(["--model.name", "llama3", "--checkpoint.enable",
+              "--checkpoint.create_seed_checkpoint",
+              "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"],
+             dump, nproc=1)
+    steps = sorted((dump / "checkpoint").iterdir())
+    assert steps, f"no seed checkpoint under {dump}"
+    return steps[0]
+
+
 # --------------------------------------------------------------------------------------
 # The debug recipe (the README's main job), a few steps, 4 ranks = 2 simulated nodes x 2.
 # --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_titan import _main as run_main, losses, torchrun
+from test_titan import _main as run_main, losses, save_seed_checkpoint, torchrun
 
 STEPS = 10
 REL_TOL = 1e-4
@@ -64,15 +64,7 @@ def test_pipeline_refusals_are_one_line_before_start_up(argv, starts_with, monke
 
 @pytest.fixture(scope="module")
 def seed_checkpoint(tmp_path_factory):
-    """One full model, saved by torchtitan on one rank (model only is loaded from it)."""
-    dump = tmp_path_factory.mktemp("seed")
-    torchrun(["--model.name", "llama3", "--checkpoint.enable",
-              "--checkpoint.create_seed_checkpoint",
-              "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"],
-             dump, nproc=1)
-    steps = sorted((dump / "checkpoint").iterdir())
-    assert steps, f"no seed checkpoint under {dump}"
-    return steps[0]
+    return save_seed_checkpoint(tmp_path_factory.mktemp("seed"))
 
 
 # name -> (ranks, flags): the pipeline configurations, each run once by torchtitan's own

@@ -31,7 +31,7 @@ import shutil
 import pytest
 import torch
 
-from test_titan import losses, torchrun
+from test_titan import losses, save_seed_checkpoint, torchrun
 
 STEPS = 5
 SAVED_AT = 2
@@ -49,15 +49,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def seed_checkpoint(tmp_path_factory):
-    """One full model, saved by torchtitan on one rank (model only is loaded from it)."""
-    dump = tmp_path_factory.mktemp("seed")
-    torchrun(["--model.name", "llama3", "--checkpoint.enable",
-              "--checkpoint.create_seed_checkpoint",
-              "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"],
-             dump, nproc=1)
-    steps = sorted((dump / "checkpoint").iterdir())
-    assert steps, f"no seed checkpoint under {dump}"
-    return steps[0]
+    return save_seed_checkpoint(tmp_path_factory.mktemp("seed"))
 
 
 @pytest.fixture(scope="module")
