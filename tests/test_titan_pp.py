@@ -47,11 +47,8 @@ def _main(argv, monkeypatch, capsys, rank=0):  # 4 ranks on one node
      "parallelism.pipeline_parallel_schedule='ZBVZeroBubble': splits each backward into "
      "input and weight halves (zero bubble), which AMSP runs with amsp.param_shard = 1 only "
      "(the plan has 2)"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--amsp.plan", "auto"],
-     "amsp.plan='auto' with parallelism.pipeline_parallel_degree=2: the planner does not "
-     "model pipeline stages"),
 ], ids=["pp-not-dividing-world", "factor-outside-the-stage-dp-world",
-        "layers-per-stage-not-fitting", "too-few-layers", "zero-bubble", "auto-plan"])
+        "layers-per-stage-not-fitting", "too-few-layers", "zero-bubble"])
 def test_pipeline_refusals_are_one_line_before_start_up(argv, starts_with, monkeypatch, capsys):
     code, err = _main(argv, monkeypatch, capsys)
     assert code == 2

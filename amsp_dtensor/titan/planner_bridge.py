@@ -41,10 +41,25 @@ def _compression(job_config, compression):
                        weights=None if weights in off else weights)
 
 
-def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None) -> dict:
+def _check_pipeline(job_config, pipeline, accumulation: int) -> None:
+    """The planner costs one pipeline schedule per optimizer step."""
+    if pipeline is not None and accumulation > 1:
+        from .config import AmspConfigError
+
+        raise AmspConfigError(
+            f"amsp.plan='auto' with parallelism.pipeline_parallel_degree={pipeline.degree}: the "
+            "planner costs one pipeline schedule per optimizer step, but "
+            f"training.global_batch_size asks for {accumulation} (gradient accumulation); set "
+            "global_batch_size to local_batch_size x the data-parallel ranks, or give factors")
+
+
+def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None,
+                   pipeline=None) -> dict:
     """What the planner needs, from the torchtitan job config (docs/design.md, 'Planner').
     compression: None, a Compression or its text ("grads=int8,weights=bf16"); None reads
-    [amsp] compress_grads / compress_weights if the config has them."""
+    [amsp] compress_grads / compress_weights if the config has them. pipeline: the job's
+    (validate.pipeline_of) under pipeline parallelism; world and ranks_per_node are then
+    one stage's."""
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(job_config.model.name)
@@ -53,12 +68,15 @@ def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None
     tp = job_config.parallelism.tensor_parallel_degree
     dp = world // tp  # the data-parallel ranks; each tp group takes one share of the batch
     gbs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+    _check_pipeline(job_config, pipeline, gbs // (t.local_batch_size * dp))
+    micro = job_config.parallelism.pipeline_parallel_microbatch_size if pipeline else None
     return {
         "model_args": model_args,
         "model_name": f"{job_config.model.name}:{job_config.model.flavor}",
         "seq_len": t.seq_len,
-        "micro_batch_size": t.local_batch_size,
-        "num_micro_batches": gbs // (t.local_batch_size * dp),
+        "micro_batch_size": micro or t.local_batch_size,
+        "num_micro_batches": None if pipeline else gbs // (t.local_batch_size * dp),
+        "pipeline": pipeline,
         "world_size": world,
         "ranks_per_node": ranks_per_node,
         "tensor_parallel_degree": tp,
@@ -71,7 +89,8 @@ def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None
     }
 
 
-def plan_auto(job_config, world: int, ranks_per_node: int, compression=None) -> ResolvedPlan:
+def plan_auto(job_config, world: int, ranks_per_node: int, compression=None,
+              pipeline=None) -> ResolvedPlan:
     from .config import AmspConfigError
 
     try:
@@ -82,7 +101,9 @@ def plan_auto(job_config, world: int, ranks_per_node: int, compression=None) -> 
             "in this checkout; set param_shard, grad_shard and optim_shard instead"
         ) from None
     try:
-        inputs = planner_inputs(job_config, world, ranks_per_node, compression)
+        inputs = planner_inputs(job_config, world, ranks_per_node, compression, pipeline)
+    except AmspConfigError:
+        raise
     except ValueError as e:  # a bad codec name in compress_grads / compress_weights
         raise AmspConfigError(f"amsp.plan='auto': {e}") from None
     accepted = inspect.signature(planner_plan).parameters
@@ -109,5 +130,14 @@ def _log_choice(report, chosen) -> None:
     from torchtitan.tools.logging import logger
 
     logger.info(f"[amsp] plan = \"auto\": the planner chose {chosen.name}")
-    if report is not chosen:
-        logger.info(f"[amsp] planner report:\n{report}")
+    best = getattr(report, "best", None)
+    if best is None:
+        return
+    gib = 2**30
+    ranked = ", ".join(f"{c.plan.name} {c.step_seconds * 1e3:.3g} ms {c.memory.total / gib:.2f} GiB"
+                       + ("" if c.fits else " (over budget)") for c in report.candidates[:6])
+    logger.info(f"[amsp] planner: predicted step and memory per rank: {ranked}")
+    for r in best.pipeline_ranks or ():
+        logger.info(f"[amsp] planner: pipeline rank {r.rank} (stages {r.stages}): "
+                    f"{r.memory.total / gib:.2f} GiB, {r.step_seconds * 1e3:.3g} ms of its "
+                    "stages' work per step")

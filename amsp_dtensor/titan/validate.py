@@ -201,11 +201,13 @@ def _reshard_value(value: Any) -> Any:
     return value
 
 
-def reshard_after_forward_of(job_config, plan: ResolvedPlan) -> tuple[bool | int, bool]:
+def reshard_after_forward_of(job_config, plan: ResolvedPlan | None) -> tuple[bool | int, bool]:
     """(reshard_after_forward of the embeddings and blocks, of [final norm, output head]).
 
-    parallelism.fsdp_reshard_after_forward as torchtitan's apply_fsdp maps it (no PP):
-    "default" -> (True, False), "always" -> (True, True), "never" -> (False, False).
+    parallelism.fsdp_reshard_after_forward as torchtitan's apply_fsdp maps it:
+    "default" -> (True, False), under pipeline parallelism (False, False) (its "not
+    pp_enabled": each stage keeps its units unsharded through the micro-batches),
+    "always" -> (True, True), "never" -> (False, False).
     amsp.reshard_after_forward, when set (not "dp"), replaces the blocks' setting under
     "default" (True, False, or an int: hpZ); under "always" / "never" it must agree.
     """
@@ -218,12 +220,15 @@ def reshard_after_forward_of(job_config, plan: ResolvedPlan) -> tuple[bool | int
     ends = policy == "always"
     r = _reshard_value(cfg.reshard_after_forward)
     if _is_from_dp(r):
+        if policy == "default":
+            return job_config.parallelism.pipeline_parallel_degree <= 1, ends
         return policy != "never", ends
     if isinstance(r, str) or not isinstance(r, (bool, int)):
         raise AmspConfigError(
             f"amsp.reshard_after_forward={r!r}: use true, false, an int (reshard to that many "
             f"ranks), or \"{FROM_DP}\" (as parallelism.fsdp_reshard_after_forward says)")
-    check_reshard_after_forward(r, plan)
+    if plan is not None:  # None: before the planner has chosen one
+        check_reshard_after_forward(r, plan)
     want = {"always": True, "never": False}.get(policy)
     if want is not None and r is not want:
         raise AmspConfigError(
@@ -318,9 +323,43 @@ def _split_backward_actions(csv_path: str) -> str:
 
 
 def _check_layers_split(job_config, pp: int) -> None:
-    """The stages torchtitan's pipeline_llm will cut (same arithmetic, same split
-    function, called here on the model's layer count): one line instead of its
-    ValueError after start-up."""
+    """The stages torchtitan's pipeline_llm will cut, checked before start-up: one line
+    instead of its ValueError after start-up (pipeline_stage_modules)."""
+    pipeline_stage_modules(job_config, pp)
+
+
+def pipeline_of(job_config, pp: int):
+    """The cost model's Pipeline of this job (plan = "auto" under pipeline parallelism):
+    the stages torchtitan cuts, its schedule and micro-batches, its reshard policy."""
+    from amsp_dtensor.plan.cost.pipeline import Pipeline, stages_of_fqns
+
+    parallelism = job_config.parallelism
+    where = f"amsp.plan='auto' with parallelism.pipeline_parallel_degree={pp}"
+    if parallelism.pipeline_parallel_schedule_csv:
+        raise AmspConfigError(
+            f"{where}: the planner costs torch's named schedules, not a CSV schedule "
+            f"({parallelism.pipeline_parallel_schedule_csv!r}); set param_shard, grad_shard and "
+            "optim_shard")
+    modules = pipeline_stage_modules(job_config, pp)
+    if modules is None:
+        raise AmspConfigError(f"{where}: the stages of model {job_config.model.name!r} are "
+                              "unknown to the planner; set param_shard, grad_shard and "
+                              "optim_shard")
+    n_micro = job_config.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+    try:
+        return Pipeline(pp, parallelism.pipeline_parallel_schedule, n_micro,
+                        stages_of_fqns(modules),
+                        reshard_after_forward=reshard_after_forward_of(job_config, None)[0],
+                        ranks_per_node=job_ranks_per_node(job_config))
+    except ValueError as e:
+        raise AmspConfigError(f"{where}: {e}") from None
+
+
+def pipeline_stage_modules(job_config, pp: int) -> list[list[str]] | None:
+    """The module names of every pipeline stage, as torchtitan's pipeline_llm cuts them
+    (same arithmetic, same split function, on the model's layer count), or the user's
+    module_fqns_per_model_part; None for a model torchtitan does not know (it names it
+    itself). Raises AmspConfigError where pipeline_llm would raise."""
     import math
 
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -328,13 +367,13 @@ def _check_layers_split(job_config, pp: int) -> None:
     from torchtitan.protocols.train_spec import get_train_spec
 
     parallelism = job_config.parallelism
+    if parallelism.module_fqns_per_model_part is not None:
+        return parallelism.module_fqns_per_model_part  # the user's own split: torchtitan checks it
     try:
         spec = get_train_spec(job_config.model.name)
         n_layers = spec.model_args[job_config.model.flavor].n_layers
     except (ValueError, KeyError, AttributeError, ImportError):
-        return  # torchtitan names an unknown model / flavor itself
-    if parallelism.module_fqns_per_model_part is not None:
-        return  # the user's own split: torchtitan checks it
+        return None  # torchtitan names an unknown model / flavor itself
     try:  # pipeline_llm counts stages by the schedule's class, also with a CSV schedule
         single = issubclass(get_schedule_class(parallelism.pipeline_parallel_schedule),
                             PipelineScheduleSingle)
@@ -358,7 +397,7 @@ def _check_layers_split(job_config, pp: int) -> None:
     else:
         stages = pp if single else 2 * pp
     try:
-        generate_llm_fqn_per_model_part(stages, n_layers, first, last)
+        return generate_llm_fqn_per_model_part(stages, n_layers, first, last)
     except ValueError as e:
         raise AmspConfigError(
             f"parallelism.pipeline_parallel_degree={pp}: {where}, too few for {stages} "
@@ -437,12 +476,6 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     tp = tensor_parallel_degree(job_config, ranks_per_node)
     layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp)
     if cfg.plan == "auto":
-        if pp > 1:
-            raise AmspConfigError(
-                f"amsp.plan='auto' with parallelism.pipeline_parallel_degree={pp}: the planner "
-                "does not model pipeline stages; set param_shard, grad_shard and optim_shard "
-                f"(factors of one stage's data-parallel world: {job_world} / {pp}"
-                + (f" / {tp}" if tp > 1 else "") + " ranks)")
         if layout.given:
             raise AmspConfigError(
                 f"amsp.plan='auto' with {layout.flags()}: the planner chooses the "
@@ -450,7 +483,8 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
                 "or drop plan = \"auto\" for the layout they ask for")
         from .planner_bridge import plan_auto
 
-        plan = plan_auto(job_config, world, ranks_per_node)
+        plan = plan_auto(job_config, world, ranks_per_node,
+                         pipeline=pipeline_of(job_config, pp) if pp > 1 else None)
     else:
         try:
             plan = resolve_explicit(cfg, world // tp, ranks_per_node // tp, layout)

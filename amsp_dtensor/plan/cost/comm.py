@@ -227,6 +227,8 @@ def predicted_events(
     else:
         kept = {int(i) % n_units for i in root_unit_index}
     for u, shapes in enumerate(unit_param_shapes):
+        if not shapes:  # a pipeline stage's root holding neither end: no collectives
+            continue
         key = tuple(tuple(int(d) for d in shape) for shape in shapes)
         pad_p = e * _padded(key, p.s_p)
         red_p = r * _padded(key, p.s_p)

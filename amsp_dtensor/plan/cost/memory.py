@@ -217,8 +217,10 @@ def block_activation_bytes_per_token(
 
 
 def root_activation_bytes_per_token(model: ModelShape, e: int, norm: str = "composite") -> int:
-    """Token ids, final norm, fp32 log-softmax output, labels (per token)."""
-    return 8 + _norm_bytes(model.dim, e, norm) + 4 * model.vocab_size + 8
+    """Token ids (with the embeddings), final norm, fp32 log-softmax output, labels (with
+    the head), per token: a pipeline stage has the ends it holds."""
+    ids = 8 if model.embeddings else 0
+    return ids + (_norm_bytes(model.dim, e, norm) + 4 * model.vocab_size + 8 if model.head else 0)
 
 
 def block_activation_bytes(
@@ -256,8 +258,11 @@ def root_activation_bytes(
     tokens = seq_len * micro_batch
     if tp == 1:
         return tokens * root_activation_bytes_per_token(model, e, norm)
+    ids = tokens * 8 if model.embeddings else 0
+    if not model.head:
+        return ids
     vocab = tp_chunk(model.vocab_size, tp) if loss_parallel else model.vocab_size
-    return (tokens * (8 + e * model.dim + 4 * vocab + 8)
+    return (ids + tokens * (e * model.dim + 4 * vocab + 8)
             + tokens // tp * _norm_own_bytes(model.dim, e, norm))
 
 
@@ -340,17 +345,17 @@ def temp_bytes(
     # replicated, vocab x dim on every TP rank, before FSDP2 or the engine keeps the
     # local rows; every activation is freed by then
     replicated_emb = 0
-    if tp > 1:
+    if tp > 1 and model.embeddings:
         replicated_emb = e * model.vocab_size * model.dim
     # 1. the output head's backward (with s_p = 1, also the syncing hooks: moment 2)
     unit_grads = e * big_unit  # unsharded grads of the unit in backward
     if r != e:
         unit_grads += r * big_unit  # FSDP2 casts them to reduce_dtype for the reduce-scatter
     vocab = tp_chunk(model.vocab_size, tp) if loss_parallel else model.vocab_size
-    loss_grad = tokens * (4 + e) * vocab
+    loss_grad = tokens * (4 + e) * vocab if model.head else 0
     head = gathered + unit_grads + hook(biggest) + loss_grad + recompute
     if plan.s_p == 1:
-        if tp == 1:
+        if tp == 1 or not model.embeddings:
             return head + os_sync(biggest)
         # with s_p = 1 the params are whole (counted in P): the embedding's hook holds its
         # replicated gradient beside its flat copy
@@ -370,7 +375,7 @@ def temp_bytes(
     at_hook = later + os_sync(block)  # FSDP2 freed them once copied into its input
     final = e * root_numel + (e + r) * root_numel + hook(root) + os_sync(root) - acts
     moments = [head, compute, at_hook, final]
-    if tp > 1:
+    if tp > 1 and model.embeddings:
         emb_unit = units[0] if model.layout == "titan" else root
         emb_local = padded_numel([emb_unit[0]], plan.s_p)
         if model.layout == "titan":

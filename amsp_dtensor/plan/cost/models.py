@@ -135,6 +135,11 @@ class ModelShape:
     # shards: the embeddings, every block, then [final norm, output head] (kept
     # unsharded after forward), the root holding nothing
     layout: str = "blocks"
+    # a pipeline stage holds some blocks and, on the first stage, the embeddings, on the
+    # last, [final norm, output head] (plan/cost/pipeline.py); the whole model has both.
+    # A stage's root unit ("blocks" layout) holds the ends it has, or nothing.
+    embeddings: bool = True
+    head: bool = True
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden"):
@@ -147,6 +152,9 @@ class ModelShape:
             raise ValueError(f"model {self.name}: n_heads={self.n_heads} not divisible by n_kv_heads={self.kv_heads}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"model {self.name}: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not (self.embeddings and self.head) and self.layout != "blocks":
+            raise ValueError(f"model {self.name}: a pipeline stage (embeddings={self.embeddings}, "
+                             f"head={self.head}) is costed in the \"blocks\" layout only")
 
     @property
     def kv_heads(self) -> int:
@@ -172,12 +180,15 @@ class ModelShape:
         )]
 
     def root_params(self, tp: int = 1) -> list[ParamShape]:
-        """Parameters left to the root unit (not inside any block; TP-local with tp > 1)."""
-        return [p.tp_local(tp) for p in (
-            ParamShape("tok_embeddings.weight", (self.vocab_size, self.dim)),
-            ParamShape("norm.weight", (self.dim,)),
-            ParamShape("output.weight", (self.vocab_size, self.dim)),
-        )]
+        """Parameters left to the root unit (not inside any block; TP-local with tp > 1):
+        those of the ends this model (or pipeline stage) holds."""
+        ends = []
+        if self.embeddings:
+            ends.append(ParamShape("tok_embeddings.weight", (self.vocab_size, self.dim)))
+        if self.head:
+            ends += [ParamShape("norm.weight", (self.dim,)),
+                     ParamShape("output.weight", (self.vocab_size, self.dim))]
+        return [p.tp_local(tp) for p in ends]
 
     def units(self, tp: int = 1) -> list[list[ParamShape]]:
         """FSDP units in wrap order. "blocks": block 0 .. block L-1, then the root (index

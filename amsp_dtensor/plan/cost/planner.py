@@ -48,11 +48,18 @@ from .comm import (
     step_comm_time,
     time_breakdown,
 )
-from .memory import DTYPE_BYTES, MemoryEstimate, estimate_memory
+from .memory import (
+    DTYPE_BYTES,
+    CompressionBytes,
+    MemoryEstimate,
+    StateBytes,
+    estimate_memory,
+)
 from .models import ModelShape, from_torchtitan_args, get_model
 from .nccl import NcclModel, node_nic_bytes, wire_bytes
 from .padding import shard_numel
-from .step import ComputeModel, StepTime, step_time
+from .pipeline import Pipeline, stage_model
+from .step import ComputeModel, StepTime, model_flops_per_token, step_time
 from .tensor_parallel import check_sequence_parallel, tp_events, tp_seconds_per_micro_batch
 
 __all__ = [
@@ -93,6 +100,22 @@ class NoPlanFits(ValueError):
 
 
 @dataclass
+class PipelineRank:
+    """One pipeline rank under a plan: its stages, memory, collectives and step seconds
+    (its stages' timelines, without the pipeline's bubble)."""
+
+    rank: int
+    stages: list[int]
+    memory: MemoryEstimate
+    events: list[PlannedComm]
+    step_seconds: float
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "stages": self.stages, "memory_bytes": self.memory.total,
+                "step_seconds": self.step_seconds}
+
+
+@dataclass
 class PlanEstimate:
     label: str  # plan name, or a baseline's name
     plan: ResolvedPlan
@@ -109,6 +132,9 @@ class PlanEstimate:
     # with compression: the exact schedule's bytes per step, {"intra", "inter" (buffer),
     # "wire_inter"}
     exact_bytes: dict | None = None
+    # under pipeline parallelism, every pipeline rank's own estimate (memory above is the
+    # largest rank's, events and step the slowest rank's)
+    pipeline_ranks: "list[PipelineRank] | None" = None
 
     @property
     def bytes_inter_exact(self) -> int:
@@ -181,6 +207,8 @@ class PlanEstimate:
             "step": self.step.as_dict() if self.step is not None else None,
             "breakdown_seconds": self.breakdown,
             "fits": self.fits,
+            "pipeline_ranks": ([r.as_dict() for r in self.pipeline_ranks]
+                               if self.pipeline_ranks is not None else None),
             "compression": str(self.compression) if self.compression is not None else None,
             "bytes_inter_exact": self.bytes_inter_exact,
             "wire_bytes_inter_exact": self.wire_bytes_inter_exact,
@@ -301,14 +329,25 @@ def estimate_plan(
     reduce_dtype: str | None = None, reserve_bytes: int = 0,
     compute: ComputeModel | None = None, overlap_param_update: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
-    compression: Compression | None = None,
+    compression: Compression | None = None, pipeline: Pipeline | None = None,
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
     collective is of the TP-local shapes, and TP's collectives join the step.
-    compression: Compression or None (module docstring)."""
+    compression: Compression or None (module docstring). pipeline: a Pipeline
+    (cost/pipeline.py): `plan` is then one stage's data-parallel plan, costed on every
+    pipeline rank's stages; ``micro_batches`` is ignored for the pipeline's own."""
     if compression is not None and not compression.enabled:
         compression = None
+    if pipeline is not None:
+        return _estimate_pipelined(
+            model, plan, pipeline, seq_len=seq_len, micro_batch=micro_batch,
+            memory_budget_bytes=memory_budget_bytes, time_model=time_model,
+            mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+            attention=attention, reshard_after_forward=reshard_after_forward, clip=clip,
+            label=label, norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
+            compute=compute, overlap_param_update=overlap_param_update, backend=backend,
+            tp=tp, loss_parallel=loss_parallel, compression=compression)
     mem = estimate_memory(model, plan, seq_len, micro_batch, mixed_precision,
                           activation_checkpointing, attention, norm=norm,
                           reshard_after_forward=reshard_after_forward,
@@ -355,6 +394,67 @@ def estimate_plan(
     )
 
 
+def _estimate_pipelined(model: ModelShape, plan: ResolvedPlan, pipeline: Pipeline, *,
+                        label, memory_budget_bytes, clip, **kw) -> PlanEstimate:
+    """estimate_plan under pipeline parallelism (cost/pipeline.py): every local stage of
+    every pipeline rank costed as a model of its own over the pipeline's micro-batches;
+    the rank that needs the most memory decides the fit, the slowest rank the step."""
+    M = pipeline.micro_batches
+    kw["reshard_after_forward"] = pipeline.reshard_after_forward
+    ranks = []
+    for rank in range(pipeline.degree):
+        ids = pipeline.stage_ids(rank)
+        parts = [estimate_plan(stage_model(model, pipeline.stages[i]), plan,
+                               micro_batches=M, memory_budget_bytes=memory_budget_bytes,
+                               clip=False, **kw) for i in ids]
+        acts = {i: part.memory.activations for i, part in zip(ids, parts)}
+        in_flight = max(sum(n * acts[i] for i, n in state.items())
+                        for state in pipeline.in_flight(rank))
+        mems = [part.memory for part in parts]
+        comps = [m.compression for m in mems if m.compression is not None]
+        memory = MemoryEstimate(
+            StateBytes(*(sum(getattr(m.states, f) for m in mems)
+                         for f in ("param", "grad", "optim"))),
+            in_flight, max(m.temp for m in mems), mems[0].reserve,
+            sum(m.step for m in mems),  # an upper bound: each stage's scratch counted
+            CompressionBytes(sum(c.error_feedback for c in comps),
+                             sum(c.fp32_master for c in comps)) if comps else None)
+        events = [ev for part in parts for ev in part.events]
+        if clip:  # one norm over the rank's stages: over its shard group, then over pp
+            events += predicted_events(plan, [], 1, 4, None, clip=True)
+            events.append(pipeline.norm_all_reduce(plan, kw["tp"]))
+        steps = [part.step for part in parts]
+        ranks.append((memory, events, [ev for p in parts for ev in p.tp_events], steps))
+    slowest = max(range(len(ranks)), key=lambda r: sum(s.seconds for s in ranks[r][3]))
+    largest = max(range(len(ranks)), key=lambda r: ranks[r][0].total)
+    _, events, tp_comms, steps = ranks[slowest]
+    compute_per_micro_batch = max(sum(s.compute_seconds for s in r[3]) for r in ranks) / M
+    bubble = (pipeline.degree - 1) / pipeline.stages_per_rank * compute_per_micro_batch
+    seconds = sum(s.seconds for s in steps) + bubble
+    tokens = kw["seq_len"] * kw["micro_batch"] * M
+    compute = kw.get("compute") or ComputeModel()
+    flops = tokens * model_flops_per_token(model, kw["seq_len"]) / (kw["tp"] * pipeline.degree)
+    step = StepTime(
+        seconds=seconds, compute_seconds=sum(s.compute_seconds for s in steps),
+        comm_sum_seconds=sum(s.comm_sum_seconds for s in steps),
+        exposed_comm_seconds=sum(s.exposed_comm_seconds for s in steps),
+        mfu=flops / (seconds * compute.peak_flops) if seconds > 0 else 0.0, tokens=tokens,
+        tp_comm_seconds=sum(s.tp_comm_seconds for s in steps),
+        codec_seconds=sum(s.codec_seconds for s in steps))
+    time_model = kw["time_model"]
+    memory = ranks[largest][0]
+    return PlanEstimate(
+        label=label or plan.name, plan=plan, memory=memory, events=events,
+        comm_seconds=step_comm_time(events, time_model),
+        breakdown=time_breakdown(events, time_model),
+        fits=all(r[0].total <= memory_budget_bytes for r in ranks),
+        reshard_after_forward=kw["reshard_after_forward"], step=step, tp=kw["tp"],
+        tp_events=tp_comms, compression=kw["compression"],
+        pipeline_ranks=[PipelineRank(r, pipeline.stage_ids(r), memory, events,
+                                     sum(s.seconds for s in steps))
+                        for r, (memory, events, _, steps) in enumerate(ranks)])
+
+
 # Plans whose predicted step times differ by less than this are ties for the model; among
 # them the one that moves fewer bytes is preferred (it leaves more slack if the overlap is
 # worse than modelled, and leaves the network to other jobs).
@@ -394,7 +494,7 @@ def choose_plan(
     overlap_param_update: bool = False, cluster: NcclModel | None = None,
     rank_by: str = "step", backend: str = "nccl", tp: Union[int, str] = 1,
     global_batch_tokens: int | None = None, loss_parallel: bool = True,
-    compression: Compression | None = None,
+    compression: Compression | None = None, pipeline: Pipeline | None = None,
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -422,6 +522,11 @@ def choose_plan(
     compression: Compression(grads=, weights=), its text ("grads=int8,weights=bf16") or
       None: cost every plan with its cross-node stages compressed (module docstring);
       the ranking then includes the codec's bytes, time and memory.
+    pipeline: a Pipeline (cost/pipeline.py) under pipeline parallelism: world_size and
+      ranks_per_node are then one stage's (W / pp ranks), the micro-batches the
+      pipeline's (give neither micro_batches nor global_batch_tokens), and every plan
+      is costed on each pipeline rank's stages; a schedule that splits backwards
+      (zero bubble) keeps the plans with param = 1 (engine/pipeline.py).
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
@@ -434,7 +539,14 @@ def choose_plan(
                 norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                 compute=compute, overlap_param_update=overlap_param_update, cluster=cluster,
                 rank_by=rank_by, backend=backend, loss_parallel=loss_parallel,
-                compression=_compression(compression))
+                compression=_compression(compression), pipeline=pipeline)
+    if pipeline is not None:
+        if tp == "auto":
+            raise ValueError("tp='auto' with a pipeline: give the TP degree")
+        if micro_batches is not None or global_batch_tokens is not None:
+            raise ValueError("with a pipeline the micro-batches are the pipeline's: give "
+                             "neither micro_batches nor global_batch_tokens")
+        micro_batches = pipeline.micro_batches
     if tp == "auto":
         if micro_batches is not None or global_batch_tokens is None:
             raise ValueError(
@@ -503,7 +615,7 @@ def _choose_plan(
     reserve_bytes: int, compute: ComputeModel | None, overlap_param_update: bool,
     cluster: NcclModel | None, rank_by: str, backend: str, tp: int,
     global_batch_tokens: int | None, loss_parallel: bool,
-    compression: Compression | None = None,
+    compression: Compression | None = None, pipeline: Pipeline | None = None,
 ) -> PlanReport:
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
                         ("world_size", world_size), ("ranks_per_node", ranks_per_node)):
@@ -542,9 +654,11 @@ def _choose_plan(
                   clip=clip, norm=norm, reduce_dtype=reduce_dtype,
                   reserve_bytes=reserve_bytes, compute=compute,
                   overlap_param_update=overlap_param_update, backend=backend, tp=tp,
-                  loss_parallel=loss_parallel, compression=compression)
-    estimates = [estimate_plan(shape, p, **common)
-                 for p in enumerate_plans(world_size, ranks_per_node, tp)]
+                  loss_parallel=loss_parallel, compression=compression, pipeline=pipeline)
+    plans = enumerate_plans(world_size, ranks_per_node, tp)
+    if pipeline is not None and pipeline.split_backward:
+        plans = [p for p in plans if p.s_p == 1]  # split backwards need plain parameters
+    estimates = [estimate_plan(shape, p, **common) for p in plans]
     if rank_by not in ("step", "comm"):
         raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
     fitting = _rank((e for e in estimates if e.fits), rank_by)
@@ -576,6 +690,10 @@ def _choose_plan(
                     overlap_param_update=overlap_param_update, backend=backend,
                     tensor_parallel_degree=tp, data_parallel_world_size=dp_world,
                     loss_parallel=loss_parallel if tp > 1 else None,
+                    pipeline=(dict(degree=pipeline.degree, schedule=pipeline.schedule,
+                                   micro_batches=pipeline.micro_batches,
+                                   stages=[vars(st) for st in pipeline.stages])
+                              if pipeline is not None else None),
                     compression=str(compression) if compression is not None else None)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp)
 
@@ -593,7 +711,7 @@ def plan(
     activation_checkpoint: str = "none", param_dtype: str = "bfloat16",
     bandwidth_table=None, tensor_parallel_degree: Union[int, str] = 1,
     global_batch_size: int | None = None, loss_parallel: bool = True,
-    compression=None,
+    compression=None, pipeline: Pipeline | None = None,
 ) -> PlanReport:
     """Entry point for the torchtitan integration (plan = "auto"); names follow its config.
 
@@ -609,6 +727,8 @@ def plan(
     loss_parallel: not [parallelism] disable_loss_parallel.
     compression: None, a Compression, or its text ("grads=int8,weights=bf16"): from
       [amsp] compress_grads / compress_weights.
+    pipeline: a Pipeline under [parallelism] pipeline_parallel_degree > 1 (world_size and
+      ranks_per_node are then one stage's; the micro-batches are the pipeline's).
     Returns the PlanReport; .plan is the chosen ResolvedPlan (of the data-parallel world
     when .tp > 1).
     """
@@ -622,7 +742,9 @@ def plan(
     if precision is None:
         raise ValueError(f"param_dtype={param_dtype!r}; the planner knows bfloat16 and float32")
     batch = {"micro_batches": num_micro_batches}
-    if global_batch_size is not None:
+    if pipeline is not None:
+        batch = {}
+    elif global_batch_size is not None:
         if num_micro_batches not in (None, 1):
             raise ValueError("give global_batch_size or num_micro_batches, not both")
         batch = {"global_batch_tokens": global_batch_size * seq_len}
@@ -633,5 +755,5 @@ def plan(
         bandwidth=bandwidth_table, mixed_precision=precision,
         activation_checkpointing=_TITAN_AC.get(activation_checkpoint, "none"),
         tp=tensor_parallel_degree, loss_parallel=loss_parallel,
-        compression=compression, **batch,
+        compression=compression, pipeline=pipeline, **batch,
     )

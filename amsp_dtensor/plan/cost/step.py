@@ -81,7 +81,8 @@ def block_flops_per_token(model: ModelShape, seq_len: int) -> float:
 
 
 def root_flops_per_token(model: ModelShape) -> float:
-    return 2.0 * model.vocab_size * model.dim
+    """The output projection (a pipeline stage without the head has none)."""
+    return 2.0 * model.vocab_size * model.dim if model.head else 0.0
 
 
 def model_flops_per_token(model: ModelShape, seq_len: int) -> float:

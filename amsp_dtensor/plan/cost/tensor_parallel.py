@@ -110,15 +110,17 @@ def tp_events(
         add("all_reduce", h * e, "backward", 2, u)  # attention_norm, ffn_norm grads
     emb = 0 if titan else model.root_unit_index
     head = model.root_unit_index
-    add("reduce_scatter", act, "forward", 1, emb)
-    add("all_gather", act, "backward", 1, emb)
-    add("all_gather", act, "forward", 1, head)
-    add("reduce_scatter", act, "backward", 1, head)
-    add("all_reduce", h * e, "backward", 1, head)  # the final norm's grad
-    if loss_parallel:
-        add("all_reduce", 4 * T, "forward", 3, head)
-    else:
-        add("all_gather", T * tp * tp_chunk(model.vocab_size, tp) * e, "forward", 1, head)
+    if model.embeddings:  # a pipeline stage has the ends it holds
+        add("reduce_scatter", act, "forward", 1, emb)
+        add("all_gather", act, "backward", 1, emb)
+    if model.head:
+        add("all_gather", act, "forward", 1, head)
+        add("reduce_scatter", act, "backward", 1, head)
+        add("all_reduce", h * e, "backward", 1, head)  # the final norm's grad
+        if loss_parallel:
+            add("all_reduce", 4 * T, "forward", 3, head)
+        else:
+            add("all_gather", T * tp * tp_chunk(model.vocab_size, tp) * e, "forward", 1, head)
     if clip:
         add("all_reduce", 4, "step", 1, -1, per_micro_batch=False)
     return out
