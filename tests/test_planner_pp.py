@@ -110,6 +110,7 @@ PP_AUTO = ["--parallelism.pipeline_parallel_degree", "2",
 
 
 def _report(argv):
+    """The planner's report for the job these flags make (4 ranks, 2 per node, pp 2)."""
     from amsp_dtensor.plan.cost.planner import plan
     from amsp_dtensor.titan.planner_bridge import planner_inputs
     from amsp_dtensor.titan.validate import pipeline_of
@@ -120,18 +121,35 @@ def _report(argv):
                                  pipeline=pipeline_of(job_config, 2)))
 
 
-def test_auto_plan_under_pipeline_records_what_the_planner_predicted(tmp_path):
-    """4 ranks = 2 simulated nodes of 2, pp 2 x dp 2, 1F1B over 4 micro-batches, a memory
-    budget (75 MiB) that rules out the replicated plans: the job runs the planner's plan,
-    and each rank's recorded collectives per step (count and bytes per op and mesh dim,
-    inter-node bytes) are the planner's events for its pipeline rank, its P, G and OS
-    bytes (amsp.memory_by_state) the planner's states for that rank."""
-    report = _report(PP_AUTO)
-    chosen = report.best
-    assert chosen.fits and chosen.plan.s_os > 1  # the budget leaves sharded states only
-    proc = torchrun([*PP_AUTO, "--training.steps", "3", "--metrics.save_for_all_ranks"], tmp_path)
+EXPLICIT = ["--amsp.param_shard", "2", "--amsp.grad_shard", "2", "--amsp.optim_shard", "2"]
+
+
+@pytest.mark.parametrize("flags", [
+    [], EXPLICIT, [*EXPLICIT, "--parallelism.fsdp_reshard_after_forward", "always"],
+], ids=["auto", "p2-g2-os2", "p2-g2-os2-reshard-always"])
+def test_pipeline_records_what_the_planner_predicted(flags, tmp_path):
+    """4 ranks = 2 simulated nodes of 2, pp 2 x dp 2, 1F1B over 4 micro-batches. With
+    plan = "auto" and a 75 MiB budget (which rules out the replicated plans) the job runs
+    the planner's plan; with explicit factors, the planner's estimate of that plan. Each
+    rank's recorded collectives per step (count and bytes per op and mesh dim, inter-node
+    bytes) are the planner's events for its pipeline rank: with FSDP2's all-gathers
+    (param 2), one per unit per step under torchtitan's default policy for PP, more
+    under "always" (cost/pipeline.py, all_gathers); its P, G and OS bytes
+    (amsp.memory_by_state) are the planner's states for that rank."""
+    argv = [*PP_AUTO, *flags]
+    if flags:  # explicit factors: drop plan = "auto" and its budget
+        argv = [a for a in argv if a not in ("--amsp.plan", "auto", "--amsp.gpu_memory_gib",
+                                             "0.075")]
+    report = _report([*argv, "--amsp.plan", "auto"] if flags else argv)
+    if flags:
+        chosen = next(c for c in report.candidates if c.plan.name == "p2-g2-os2")
+    else:
+        chosen = report.best
+        assert chosen.fits and chosen.plan.s_os > 1  # the budget leaves sharded states only
+    proc = torchrun([*argv, "--training.steps", "3", "--metrics.save_for_all_ranks"], tmp_path)
     log = proc.stdout + proc.stderr
-    assert f'plan = "auto": the planner chose {chosen.plan.name}' in log
+    if not flags:
+        assert f'plan = "auto": the planner chose {chosen.plan.name}' in log
     assert f"Applied AMSP plan {chosen.plan.name}" in log
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -161,6 +179,11 @@ def test_auto_plan_under_pipeline_records_what_the_planner_predicted(tmp_path):
                 mib = next(e.value for e in acc.Scalars(f"memory_by_state/{state}(MiB)")
                            if e.step == step)
                 assert mib * 2**20 == getattr(mine.memory.states, state), (rank, state)
+    if flags:  # FSDP2's all-gathers: one per unit per step by default, more under "always"
+        gathers = {ev.phase: ev.count for ev in mine.events
+                   if ev.op == "all_gather" and ev.dim == "p" and ev.unit == 0}
+        always = "always" in flags  # the last stage's 1F1B: F B F B ..., so 1 + 4
+        assert gathers == ({"forward": 1, "backward": 4} if always else {"forward": 1}), gathers
 
 
 @pytest.mark.parametrize("argv, starts_with", [

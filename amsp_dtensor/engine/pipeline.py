@@ -1,8 +1,8 @@
 """AMSP stages under ``torch.distributed.pipelining``.
 
 torch's ``PipelineStage`` runs each micro-batch's backward itself and, for FSDP2 modules,
-turns FSDP2's gradient reduction off for all of them and runs it afterwards, outside
-autograd (``perform_reduce_grad``); for any other module it runs plain backwards and
+turns FSDP2's gradient reduction and its reshard after backward off for all of them and
+runs both afterwards, outside autograd (``perform_reduce_grad``); for any other module it runs plain backwards and
 scales ``.grad`` in place (``scale_grads``). Neither fits an AMSP root: its gradients leave
 ``.grad`` for the engine's buffers as they arrive, and its once-per-step sync across
 replicas is issued by the hooks of the last backward outside ``amsp.no_sync``.
@@ -13,7 +13,8 @@ convention says, on every schedule that runs full backwards (GPipe, 1F1B, interl
 under ``amsp.no_sync`` (P and G collectives only, each unit's gradients accumulated at
 their G size), the last one outside it (the sync, overlapped with that backward), and the
 schedule's gradient scale (its micro-batch count when ``scale_grads=True``) divides the
-gradients along with the divide factor. The stage's class is swapped for a subclass that
+gradients along with the divide factor. As torch does for FSDP2, the all-gathered
+parameters stay until the stage's last backward ([Note: unsharded through the step]). The stage's class is swapped for a subclass that
 does this, as FSDP2 swaps a module's class; nothing else of the stage changes.
 
 [Note: split backward]
@@ -78,6 +79,7 @@ class _AMSPStage:
             raise RuntimeError(f"pipeline stage {self.stage_index}: unknown backward type "
                                f"{backward_type!r}")
         sync = contextlib.nullcontext() if last_backward else root.grad_sync_suspended()
+        _reshard_after_backward(root, last_backward)  # [Note: unsharded through the step]
         with sync:
             if backward_type == "weight":
                 _check_split_backward(self, root)
@@ -101,6 +103,17 @@ class _AMSPStage:
         """After the stage's last backward of the step: its sync was issued by that
         backward's hooks (outside no_sync), so only the scale is left."""
         self.scale_grads(grad_scale_factor)
+
+
+def _reshard_after_backward(root, last_backward: bool) -> None:
+    """[Note: unsharded through the step] As torch's stage does for an FSDP2 module: the
+    FSDP2 units of the stage keep their all-gathered parameters after every backward but
+    the stage's last of the step, so micro-batches whose forward ran before an earlier
+    micro-batch's backward (1F1B, interleaved) do not all-gather them again; the last
+    backward reshards them."""
+    for unit in root.units:
+        if unit.uses_fsdp:
+            unit.module.set_reshard_after_backward(last_backward, recurse=False)
 
 
 def _check_split_backward(stage, root) -> None:

@@ -38,9 +38,12 @@ from types import SimpleNamespace
 from .comm import PlannedComm, group_shape
 from .models import ModelShape
 
-__all__ = ["Stage", "Pipeline", "stages_of_fqns", "stage_model"]
+__all__ = ["Stage", "Pipeline", "stages_of_fqns", "stage_model", "with_p_gathers"]
 
 SINGLE_STAGE = {"gpipe": "GPipe", "1f1b": "1F1B"}
+# torch's computation types (_ComputationType names and short forms) as F, B, I, W
+KINDS = {"F": "F", "FORWARD": "F", "B": "B", "FULL_BACKWARD": "B", "I": "I",
+         "BACKWARD_INPUT": "I", "W": "W", "BACKWARD_WEIGHT": "W"}
 
 
 @dataclass(frozen=True)
@@ -136,28 +139,72 @@ class Pipeline:
             return [rank, len(self.stages) - 1 - rank]
         return [rank + i * pp for i in range(v)]
 
-    def in_flight(self, rank: int) -> list[dict[int, int]]:
-        """Every state of rank ``rank``'s schedule: {stage id: micro-batches whose forward
-        ran and whose backward has not freed them} (module docstring)."""
+    def actions(self, rank: int) -> list[tuple[int, str]]:
+        """Rank ``rank``'s computations in schedule order: (stage id, "F" forward, "B"
+        full backward, "I" / "W" input / weight half). GPipe: every forward, then every
+        backward; 1F1B: min(M, pp - 1 - rank) warm-up forwards, then forward-backward
+        pairs, then the remaining backwards (torch's Schedule1F1B); the multi-stage
+        schedules: torch's own per-rank list (module docstring)."""
         M, pp, ids = self.micro_batches, self.degree, self.stage_ids(rank)
         key = self.schedule.lower()
         if key in SINGLE_STAGE:
             if len(ids) != 1:
                 raise ValueError(f"schedule {self.schedule} runs one stage per rank, got "
                                  f"{len(ids)}")
-            peak = M if key == "gpipe" else min(M, pp - rank)
-            return [{ids[0]: peak}]
-        counts = {s: 0 for s in ids}
-        states = []
+            warm = M if key == "gpipe" else min(M, pp - 1 - rank)
+            kinds = ["F"] * warm + ["F", "B"] * (M - warm) + ["B"] * warm
+            return [(ids[0], k) for k in kinds]
+        out = []
         for action in _rank_actions(self.schedule, pp, len(self.stages), ids, rank, M):
             for a in getattr(action, "sub_actions", None) or (action,):
-                kind = str(a.computation_type).rsplit(".", 1)[-1].upper()
-                if kind in ("F", "FORWARD"):
-                    counts[a.stage_index] += 1
-                elif kind in ("B", "FULL_BACKWARD", "W", "BACKWARD_WEIGHT"):
-                    counts[a.stage_index] -= 1
+                kind = KINDS.get(str(a.computation_type).rsplit(".", 1)[-1].upper())
+                if kind is not None:
+                    out.append((a.stage_index, kind))
+        return out
+
+    def in_flight(self, rank: int) -> list[dict[int, int]]:
+        """Every state of rank ``rank``'s schedule: {stage id: micro-batches whose forward
+        ran and whose backward has not freed them} (module docstring)."""
+        counts = {s: 0 for s in self.stage_ids(rank)}
+        states = []
+        for stage, kind in self.actions(rank):
+            counts[stage] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
             states.append(dict(counts))
         return states or [counts]
+
+    def all_gathers(self, rank: int) -> dict[int, tuple[int, int]]:
+        """{stage id: (forward, backward) all-gathers over "p" of each of its units per
+        step}: an FSDP2 unit gathers when its parameters are sharded, reshards after a
+        forward only with reshard_after_forward, and after a backward only at the
+        stage's last one of the step (engine/pipeline.py, as torch's stage does for
+        FSDP2); so with torchtitan's default under PP, one gather per step."""
+        resharding = self.reshard_after_forward is not False
+        sharded = {s: True for s in self.stage_ids(rank)}
+        done = {s: 0 for s in sharded}
+        count = {s: [0, 0] for s in sharded}
+        for stage, kind in self.actions(rank):
+            if kind == "W":
+                continue
+            if sharded[stage]:
+                count[stage][0 if kind == "F" else 1] += 1
+            if kind == "F":
+                sharded[stage] = resharding
+            else:
+                done[stage] += 1
+                sharded[stage] = done[stage] == self.micro_batches
+        return {s: (f, b) for s, (f, b) in count.items()}
+
+
+def with_p_gathers(events: list[PlannedComm], p_gathers: tuple[int, int]) -> list[PlannedComm]:
+    """``events`` (predicted_events of one stage) with each unit's all-gathers over "p"
+    counted as ``p_gathers`` (forward, backward) per step instead of per micro-batch."""
+    kept = [ev for ev in events if not (ev.op == "all_gather" and ev.dim == "p")]
+    out = []
+    for ev in events:
+        if ev.op == "all_gather" and ev.dim == "p" and ev.phase == "forward":
+            out += [replace(ev, phase=phase, count=n)
+                    for phase, n in zip(("forward", "backward"), p_gathers) if n]
+    return out + kept
 
 
 def _rank_actions(schedule: str, pp: int, n_stages: int, ids: list[int], rank: int, M: int):

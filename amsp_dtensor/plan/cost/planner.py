@@ -58,7 +58,7 @@ from .memory import (
 from .models import ModelShape, from_torchtitan_args, get_model
 from .nccl import NcclModel, node_nic_bytes, wire_bytes
 from .padding import shard_numel
-from .pipeline import Pipeline, stage_model
+from .pipeline import Pipeline, stage_model, with_p_gathers
 from .step import ComputeModel, StepTime, model_flops_per_token, step_time
 from .tensor_parallel import check_sequence_parallel, tp_events, tp_seconds_per_micro_batch
 
@@ -330,13 +330,16 @@ def estimate_plan(
     compute: ComputeModel | None = None, overlap_param_update: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
+    p_gathers: tuple[int, int] | None = None,
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
     collective is of the TP-local shapes, and TP's collectives join the step.
     compression: Compression or None (module docstring). pipeline: a Pipeline
     (cost/pipeline.py): `plan` is then one stage's data-parallel plan, costed on every
-    pipeline rank's stages; ``micro_batches`` is ignored for the pipeline's own."""
+    pipeline rank's stages; ``micro_batches`` is ignored for the pipeline's own.
+    p_gathers: (forward, backward) all-gathers over "p" of every unit per step, when not
+    one per micro-batch (a pipeline stage's, Pipeline.all_gathers)."""
     if compression is not None and not compression.enabled:
         compression = None
     if pipeline is not None:
@@ -360,6 +363,8 @@ def estimate_plan(
     events = predicted_events(plan, shapes, micro_batches,
                               DTYPE_BYTES[mixed_precision], model.root_unit_index,
                               compression=compression, **event_args)
+    if p_gathers is not None:
+        events = with_p_gathers(events, p_gathers)
     exact_bytes = None
     if compression is not None:
         exact = predicted_events(plan, shapes, micro_batches, DTYPE_BYTES[mixed_precision],
@@ -376,7 +381,8 @@ def estimate_plan(
                    micro_batches=micro_batches, os_numel=os_numel, compute=compute,
                    activation_checkpointing=activation_checkpointing,
                    overlap_param_update=overlap_param_update, tp=tp,
-                   tp_seconds=tp_seconds_per_micro_batch(tp_comms, time_model, micro_batches))
+                   tp_seconds=tp_seconds_per_micro_batch(tp_comms, time_model, micro_batches),
+                   p_gathers=p_gathers)
     return PlanEstimate(
         label=label or plan.name,
         plan=plan,
@@ -404,9 +410,10 @@ def _estimate_pipelined(model: ModelShape, plan: ResolvedPlan, pipeline: Pipelin
     ranks = []
     for rank in range(pipeline.degree):
         ids = pipeline.stage_ids(rank)
+        gathers = pipeline.all_gathers(rank)
         parts = [estimate_plan(stage_model(model, pipeline.stages[i]), plan,
                                micro_batches=M, memory_budget_bytes=memory_budget_bytes,
-                               clip=False, **kw) for i in ids]
+                               clip=False, p_gathers=gathers[i], **kw) for i in ids]
         acts = {i: part.memory.activations for i, part in zip(ids, parts)}
         in_flight = max(sum(n * acts[i] for i, n in state.items())
                         for state in pipeline.in_flight(rank))

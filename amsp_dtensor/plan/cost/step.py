@@ -171,13 +171,16 @@ def step_time(
     model: ModelShape, events: list[PlannedComm], time_model: TimeModel, *, seq_len: int,
     micro_batch: int, micro_batches: int, os_numel: int, compute: ComputeModel | None = None,
     activation_checkpointing: str = "none", overlap_param_update: bool = False,
-    tp: int = 1, tp_seconds: dict | None = None,
+    tp: int = 1, tp_seconds: dict | None = None, p_gathers: tuple[int, int] | None = None,
 ) -> StepTime:
     """Predicted time of one optimizer step on one rank (module docstring).
 
     events: predicted_events() of the plan; os_numel: OS elements on this rank (for the
     optimizer's memory-bound step). tp: the TP degree; tp_seconds: {(unit, phase):
-    seconds per micro-batch} of TP's collectives (tensor_parallel.tp_seconds_per_micro_batch)."""
+    seconds per micro-batch} of TP's collectives (tensor_parallel.tp_seconds_per_micro_batch).
+    p_gathers: (forward, backward) all-gathers of each unit per step when they are not one
+    per micro-batch (a pipeline stage keeps its parameters gathered, cost/pipeline.py);
+    charged to the first micro-batches."""
     cm = compute or ComputeModel()
     L, M = model.n_layers, int(micro_batches)
     tokens = seq_len * micro_batch
@@ -185,6 +188,13 @@ def step_time(
 
     def c(unit, phase, op, dim):
         return per_call.get((unit, phase, op, dim), 0.0)
+
+    def c_p(unit, phase):
+        """The p all-gather of ``unit`` in micro-batch m's forward or backward: every
+        micro-batch's, or (p_gathers) only the first f / b micro-batches'."""
+        if p_gathers is not None and m >= p_gathers[0 if phase == "forward" else 1]:
+            return 0.0
+        return c(unit, phase, "all_gather", "p")
 
     recompute = 1.0 if activation_checkpointing == "full" else 0.0
     f_block = tokens * block_flops_per_token(model, seq_len) / (cm.compute_flops * tp)
@@ -212,7 +222,7 @@ def step_time(
             end = ready
             if m == 0 and carry_post_step and ps[u]:
                 end = tl.comm(ready, ps[u])
-            return tl.comm(end, c(u, "forward", "all_gather", "p"))
+            return tl.comm(end, c_p(u, "forward"))
 
         gathered[order[0]] = gather(order[0], issue)
         if len(order) > 1:
@@ -229,7 +239,7 @@ def step_time(
         r_start, r_end = tl.compute(fwd_end, 2 * f_root, tpc(root, "backward"))
         blocks = list(range(L - 1, -1, -1))
         if blocks:
-            bwd_gather[blocks[0]] = tl.comm(r_start, c(blocks[0], "backward", "all_gather", "p"))
+            bwd_gather[blocks[0]] = tl.comm(r_start, c_p(blocks[0], "backward"))
         phase_g = "sync" if last else "backward"
 
         def grad_chain(u, ready):
@@ -253,7 +263,7 @@ def step_time(
             start, end = tl.compute(ready, (2 + recompute) * f_block, tpc(u, "backward"))
             if i + 1 < len(blocks):
                 bwd_gather[blocks[i + 1]] = tl.comm(
-                    start, c(blocks[i + 1], "backward", "all_gather", "p"))
+                    start, c_p(blocks[i + 1], "backward"))
             chain_end = grad_chain(u, end)
             drain_before[i + 2] = chain_end  # waited for after the next unit's backward
             prev_end = end
