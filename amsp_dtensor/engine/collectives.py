@@ -47,6 +47,10 @@ class PendingComm:
     def _mark_done(self, _future) -> None:
         self.done_at = time.perf_counter()
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return without blocking on the collective."""
+        return self.work is None or self.work.is_completed()
+
     def wait(self) -> torch.Tensor:
         start = end = time.perf_counter()
         if self.work is not None:

@@ -107,6 +107,11 @@ class _Finished:
         (memory accounting reads it as it reads PendingComm.result)."""
         return self._first.result if self._result is None else self._result
 
+    def done(self) -> bool:
+        """Whether the first collective has completed (the finishing step may still run,
+        and an all-reduce's issues its all-gather then)."""
+        return self._finish is None or self._first.done()
+
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             self._result = self._finish(self._first.wait())

@@ -329,6 +329,12 @@ class RootState:
                 self._complete_at(0)
         streams.join_compute(self.grad_stream)
 
+    def unit_sync_done(self, unit: AMSPUnit) -> bool:
+        """No collective of ``unit`` or of an entry issued before its last one is still
+        running (``finish_unit_sync(unit)`` would not block on communication)."""
+        last = max((i for i, e in enumerate(self.in_flight) if e.unit is unit), default=-1)
+        return all(e.pending.done() for e in self.in_flight[:last + 1])
+
     def sync_order(self) -> list[AMSPUnit]:
         """The units in the order their gradients finish syncing: those already done, then
         those with collectives in flight, by their first in-flight entry."""
