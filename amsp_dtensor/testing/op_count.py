@@ -16,12 +16,15 @@ NO_KERNEL = {"aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_emp
 
 def launches_kernel(func) -> bool:
     """False for ops that only make views or metadata, or allocate without writing."""
-    name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
+    from ..compat import op_schema
+
+    schema = op_schema(func)
+    name = f"{func.namespace}.{schema.name.split('::')[-1]}"
     if name in NO_KERNEL or func.namespace == "profiler":  # record_function ranges
         return False
     # a view returns an alias of an input without writing it (in-place ops write theirs)
     return not any(r.alias_info is not None and not r.alias_info.is_write
-                   for r in func._schema.returns)
+                   for r in schema.returns)
 
 
 def counting_mode():
