@@ -71,49 +71,65 @@ def baseline_of(key: str, world: int, per_node: int) -> str:
 
 
 class Bench:
-    """One built system: model, optimizer and a ``step()``."""
+    """One built system: model, optimizer and a ``step()``. ``args`` gives the sizes
+    (dim, blocks, seq; heads, ffn, vocab, batch when present), the world, and optionally
+    ``device`` and ``precision``: "fp32" (all fp32), or "bf16" (FSDP2:
+    MixedPrecisionPolicy(bf16, fp32) over fp32 params; AMSP: a bf16 model with fp32
+    masters). Keys as in the module docstring, and ``floor``: no sharding and no
+    optimizer, the model's forward and backward alone."""
 
     def __init__(self, key: str, mode: str, args, meshes: dict):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         import amsp_dtensor as amsp
         from amsp_dtensor import compat
         from amsp_dtensor.testing.tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
 
         self.key, self.mode = key, mode
+        device = torch.device(getattr(args, "device", "cpu"))
+        bf16 = getattr(args, "precision", "fp32") == "bf16"
         torch.manual_seed(0)
-        cfg = TinyLlamaConfig(dim=args.dim, n_layers=args.blocks, n_heads=4,
-                              ffn_dim=2 * args.dim, max_seq_len=args.seq)
-        model = TinyLlama(cfg)
+        cfg = TinyLlamaConfig(vocab_size=getattr(args, "vocab", 100), dim=args.dim,
+                              n_layers=args.blocks, n_heads=getattr(args, "heads", 4),
+                              ffn_dim=getattr(args, "ffn", None) or 2 * args.dim,
+                              max_seq_len=args.seq)
+        with device:
+            model = TinyLlama(cfg)
+        if bf16 and (key == "floor" or key.startswith("amsp:")):
+            model = model.to(torch.bfloat16)
         if mode == "compiled":
             for i, block in enumerate(model.layers):
                 model.layers[i] = torch.compile(block)
         units = [model.tok_embeddings, *model.layers, [model.norm, model.output]]
         world, per_node = args.world, args.per_node
-        if key in ("fsdp2", "hsdp"):
+        self.finish = lambda: None
+        if key == "floor":
+            optim = None
+        elif key in ("fsdp2", "hsdp"):
             if key not in meshes:
                 shape = (world,) if key == "fsdp2" else (world // per_node, per_node)
                 names = ("dp",) if key == "fsdp2" else ("replicate", "shard")
-                meshes[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+                meshes[key] = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
             for unit in units:
-                fully_shard(unit, mesh=meshes[key],
+                fully_shard(unit, mesh=meshes[key], **kw,
                             **({"reshard_after_forward": False} if isinstance(unit, list) else {}))
-            fully_shard(model, mesh=meshes[key])
+            fully_shard(model, mesh=meshes[key], **kw)
             fsdp = [u if not isinstance(u, list) else u[0] for u in units]
             for i, m in enumerate(fsdp):  # the prefetch AMSP sets (engine/overlap.py)
                 m.set_modules_to_forward_prefetch(fsdp[i + 1:i + 2])
                 m.set_modules_to_backward_prefetch(fsdp[max(i - 1, 0):i])
-                compat.fsdp_set_unshard_async_op(m, True)
+                if device.type == "cpu":  # as AMSP does on CPU, where FSDP2 has no streams
+                    compat.fsdp_set_unshard_async_op(m, True)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-            self.finish = lambda: None
         else:
             plan_name, *extra = key[5:].split("+")
             plan = amsp.ShardingPlan.from_name(plan_name)
             if plan_name not in meshes:
                 meshes[plan_name] = amsp.init_mesh(plan, ranks_per_node=per_node,
-                                                   device_type="cpu")
+                                                   device_type=device.type)
             for unit in units:
                 amsp.fully_shard(unit, mesh=meshes[plan_name], plan=plan,
                                  **({"reshard_after_forward": False} if isinstance(unit, list)
@@ -125,13 +141,18 @@ class Bench:
                                        foreach=True, overlap_param_update="opu" in extra)
             self.finish = optim.wait_param_update
         g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, cfg.vocab_size, (1, args.seq + 1), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (getattr(args, "batch", 1), args.seq + 1),
+                               generator=g).to(device)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
-        self.model, self.optim, self.loss_fn = model, optim, loss_fn
+        self.model, self.optim, self.loss_fn, self.cfg = model, optim, loss_fn, cfg
 
     def step(self) -> None:
         loss = self.loss_fn(self.model(self.inputs), self.targets)
         loss.backward()
+        if self.optim is None:  # the floor: forward and backward only
+            for p in self.model.parameters():
+                p.grad = None
+            return
         self.optim.step()
         self.optim.zero_grad()
 
