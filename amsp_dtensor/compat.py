@@ -139,6 +139,7 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch", "Tensor._version"),
     ("torch", "_chunk_cat"),
+    ("torch.autograd", "_profiler_enabled"),
     ("torch", "_foreach_copy_"),
     ("torch", "_foreach_div"),
     ("torch.distributed.tensor", "DTensor._local_tensor"),
@@ -375,6 +376,11 @@ def foreach_copy_(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def foreach_div(tensors: list[torch.Tensor], divisor: float) -> list[torch.Tensor]:
     """``[t / divisor for t in tensors]`` in one foreach call (the same values)."""
     return list(torch._foreach_div(tensors, divisor))
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is collecting (``record_function`` ranges are kept)."""
+    return torch.autograd._profiler_enabled()
 
 
 def op_schema(op):

@@ -16,7 +16,8 @@ Configurations (``--configs``, comma separated; W = world, S = ranks per node):
 ``fsdp2`` (``fully_shard`` over W ranks), ``hsdp`` (FSDP2 HSDP, shard groups of S), and
 ``amsp:<plan>[+int8][+opu]``: AMSP at a plan name (``pW-gW-osW`` is FSDP2's schedule,
 ``pS-gS-osS`` HSDP's), ``+int8`` int8 gradients and bf16 weights across nodes
-(``amsp.set_compression``), ``+opu`` ``overlap_param_update=True``. Every system gets the
+(``amsp.set_compression``), ``+opu`` ``overlap_param_update=True``, ``+nostep`` ``amsp.set_overlap(step=False)`` (one
+optimizer step once every gradient has landed, instead of per unit as they land). Every system gets the
 same explicit prefetch (the next unit in forward, the previous in backward) and torch
 AdamW (foreach); AMSP's masters are views of the fp32 params. ``--modes eager,compiled``:
 compiled is per-block ``torch.compile`` (before sharding, as torchtitan does).
@@ -137,6 +138,8 @@ class Bench:
             amsp.fully_shard(model, mesh=meshes[plan_name], plan=plan)
             if "int8" in extra:
                 amsp.set_compression(model, grads="int8", weights="bf16")
+            if "nostep" in extra:  # one optimizer step after every gradient has landed
+                amsp.set_overlap(model, step=False)
             optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
                                        foreach=True, overlap_param_update="opu" in extra)
             self.finish = optim.wait_param_update

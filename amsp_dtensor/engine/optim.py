@@ -272,12 +272,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # one cast and one division for the whole unit, not one per tensor
         views = (unit.os_layout.views(synced.to(torch.float32) / factor)
                  if synced is not None else None)
-        for j, master in enumerate(masters):
-            opt_param = self._opt_params[start + j]
-            if views is None:
-                opt_param.grad = None
-                continue
-            opt_param.grad = views[j].view(master.to_local().shape)
+        for j in range(len(masters)):
+            opt_param = self._opt_params[start + j]  # the master's local rows, as a Parameter
+            opt_param.grad = None if views is None else views[j].view(opt_param.shape)
 
     def _check_ready_to_step(self) -> None:
         """Every unit must be SYNCED, or REDUCING with its last stage in flight after the
@@ -453,7 +450,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 self._prepare_unit_grads(unit)
             stepped.extend(mine)
         # one range per call, naming its units: "AMSP::optimizer_step (layers.0 + layers.1)"
-        with record_function(f"AMSP::optimizer_step ({' + '.join(u.name for u in units)})"):
+        label = (f"AMSP::optimizer_step ({' + '.join(u.name for u in units)})"
+                 if compat.profiler_enabled() else None)
+        with record_function(label) if label else contextlib.nullcontext():
             if len(stepped) == len(self._opt_params):
                 self.inner.step()
             else:

@@ -310,7 +310,7 @@ class RootState:
 
     def _complete_at(self, index: int) -> None:
         entry = self.in_flight.pop(index)
-        with record_function(entry.unit.profile_label(f"AMSP::{entry.stage.value}_wait")):
+        with entry.unit.profile_range(f"AMSP::{entry.stage.value}_wait"):
             result = entry.pending.wait()
         entry.unit.advance(entry, result)
 

@@ -31,6 +31,7 @@ all units in issue order (root.py) and completes them in that order, calling ``a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ from .fqn import clean_fqn
 from .layouts import FlatLayout
 from .lifecycle import StepState, check_transition
 from .mesh import MeshInfo
+
+
+NO_RANGE = contextlib.nullcontext()  # profile_range when no profiler collects
 
 
 class GradStage(enum.Enum):
@@ -322,7 +326,7 @@ class AMSPUnit:
         self.residuals = {GradStage(name): r.to(self.grad_dtype()) for name, r in state.items()}
 
     def _issue(self, stage: GradStage, keepalive, issue) -> None:
-        with record_function(self.profile_label(f"AMSP::{stage.value}_issue")):
+        with self.profile_range(f"AMSP::{stage.value}_issue"):
             pending = issue(self.root.collectives)
         entry = InFlightStage(self, stage, pending, keepalive)
         self._step = dataclasses.replace(self._step, stage=entry)
@@ -345,7 +349,7 @@ class AMSPUnit:
         shards: a local copy if s_os == s_p (UPDATED), else the all-gather over the OS
         subgroup is issued (SENDING; ``land`` completes it)."""
         grad = self._step.grad
-        with record_function(self.profile_label("AMSP::param_update_issue")):
+        with self.profile_range("AMSP::param_update_issue"):
             issued = param_update.issue(self, masters, self.root.collectives)
         if issued is None:
             self._to(Updated(grad))
@@ -365,7 +369,7 @@ class AMSPUnit:
         moved = sorted({i % n for i, (a, b) in enumerate(zip(now, pending.versions)) if a != b})
         names = self.param_fqns if len(self.param_fqns) == n else [self.name] * n
         self._to(Updated(step.grad))
-        with record_function(self.profile_label("AMSP::param_update_land")):
+        with self.profile_range("AMSP::param_update_land"):
             param_update.unpack(self, pending.comm)
         return list(dict.fromkeys(names[i] for i in moved))
 
@@ -418,6 +422,11 @@ class AMSPUnit:
     def profile_label(self, label: str) -> str:
         """A profiler range name, FSDP2-style: ``AMSP::<phase> (<unit fqn>)``."""
         return f"{label} ({self.fqn})" if self.fqn else label
+
+    def profile_range(self, label: str):
+        """``record_function(profile_label(label))`` while a profiler collects; nothing
+        (not even the name) otherwise: ranges cost host time on every step."""
+        return record_function(self.profile_label(label)) if compat.profiler_enabled() else NO_RANGE
 
     def refresh_params(self) -> bool:
         """For s_p = 1 units: pick up Parameter objects that ``module.to_empty`` (materialising
