@@ -138,6 +138,11 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp", "FSDPModule._set_unshard_async_op"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch", "Tensor._version"),
+    ("torch", "_chunk_cat"),
+    ("torch.autograd", "_profiler_enabled"),
+    ("torch", "_foreach_copy_"),
+    ("torch", "_foreach_div"),
+    ("torch.distributed.tensor", "DTensor._local_tensor"),
     ("torchtitan.config", "ConfigManager._maybe_load_toml"),
     ("torchtitan.components.optimizer", "OptimizersContainer._validate_length"),
     ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
@@ -348,6 +353,39 @@ def global_offset(dtensor) -> tuple[int, ...]:
     )
     return tuple(offset)
 
+
+
+def dtensor_local(dtensor) -> torch.Tensor:
+    """A DTensor's local tensor, read as an attribute (what FSDP2 reads on its hot path):
+    ``to_local()`` runs an autograd Function per call, a cost the engine paid per param
+    per unit several times a step. Only for values, never for a graph (no grad_fn)."""
+    return dtensor._local_tensor
+
+
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """``out`` ([num_chunks, n]) row i = chunk i (dim 0, torch.chunk sizes rounded up, zero
+    padded) of every tensor, laid end to end: FSDP2's reduce-scatter copy-in, one kernel."""
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+def foreach_copy_(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dest.copy_(src)`` for each pair (casting as copy_ does), in one foreach call."""
+    torch._foreach_copy_(dests, srcs)
+
+
+def foreach_div(tensors: list[torch.Tensor], divisor: float) -> list[torch.Tensor]:
+    """``[t / divisor for t in tensors]`` in one foreach call (the same values)."""
+    return list(torch._foreach_div(tensors, divisor))
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is collecting (``record_function`` ranges are kept)."""
+    return torch.autograd._profiler_enabled()
+
+
+def op_schema(op):
+    """The schema of an aten OpOverload (its name, and which returns alias an input)."""
+    return op._schema
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -21,36 +21,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from amsp_dtensor.testing.op_count import counting_mode, launches_kernel
+
 aten = torch.ops.aten
-NO_KERNEL = {"aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
-             "aten.detach", "aten.set_", "aten.resize_", "aten.lift_fresh", "aten.alias"}
 WORLD, DIM, BLOCKS, TENSORS = 4, 64, 4, (5, 26)
-
-
-def launches_kernel(func) -> bool:
-    """False for ops that only make views or metadata, or allocate without writing."""
-    name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
-    if name in NO_KERNEL or func.namespace == "profiler":  # record_function ranges
-        return False
-    # a view returns an alias of an input without writing it (in-place ops write theirs)
-    return not any(r.alias_info is not None and not r.alias_info.is_write
-                   for r in func._schema.returns)
-
-
-def counting_mode():
-    from amsp_dtensor import compat
-
-    class CountOps(compat.torch_dispatch_mode_base()):
-        def __init__(self):
-            super().__init__()
-            self.counts = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if launches_kernel(func):
-                self.counts[str(func.overloadpacket)] += 1
-            return func(*args, **(kwargs or {}))
-
-    return CountOps()
 
 
 # ---------------------------------------------------------------------------------------

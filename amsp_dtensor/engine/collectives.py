@@ -47,6 +47,10 @@ class PendingComm:
     def _mark_done(self, _future) -> None:
         self.done_at = time.perf_counter()
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return without blocking on the collective."""
+        return self.work is None or self.work.is_completed()
+
     def wait(self) -> torch.Tensor:
         start = end = time.perf_counter()
         if self.work is not None:
@@ -159,6 +163,8 @@ class RecordingAllGather(compat.fsdp_all_gather_base()):
         self.collectives = collectives
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if not active_recorders():  # nothing records: FSDP2's own call, nothing around it
+            return super().__call__(output_tensor, input_tensor, group, async_op)
         args = self.collectives._fsdp_event_args(
             "all_gather", group, _nbytes(output_tensor), _fsdp_phase()
         )
@@ -173,6 +179,8 @@ class RecordingReduceScatter(compat.fsdp_reduce_scatter_base()):
         self.collectives = collectives
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if not active_recorders():
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
         args = self.collectives._fsdp_event_args(
             "reduce_scatter", group, _nbytes(input_tensor), "backward"
         )

@@ -53,21 +53,44 @@ def set_compression(model: nn.Module, *, grads: str | None = None,
 
 # ---- codecs: [k, m] rows of values <-> [k, chunk_nbytes] rows of uint8 ----------------
 def encode(rows: torch.Tensor, codec: str) -> torch.Tensor:
-    """Each row of ``rows`` (k x m, any float dtype) as one compressed uint8 chunk."""
+    """Each row of ``rows`` (k x m, any float dtype) as one compressed uint8 chunk.
+
+    int8: per block of INT8_BLOCK values, scale = max |x| / 127 (1 where that is 0), the
+    values round(x / scale) clamped to +-127; the int8 values and then the fp32 scales
+    are written into the chunk bytes in place, and an fp32 row of whole blocks is read
+    as it is (no padded copy)."""
     k, m = rows.shape
     if codec == "bf16":
         return rows.to(torch.bfloat16).view(torch.uint8).view(k, 2 * m)
     blocks = int8_blocks(m)
-    padded = rows.new_zeros(k, blocks * INT8_BLOCK, dtype=torch.float32)
-    padded[:, :m] = rows
-    padded = padded.view(k, blocks, INT8_BLOCK)
-    scale = padded.abs().amax(dim=2) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(padded / scale.unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
+    width = blocks * INT8_BLOCK
+    if m == width and rows.dtype == torch.float32 and rows.is_contiguous():
+        padded = rows.view(k, blocks, INT8_BLOCK)
+    else:
+        padded = rows.new_zeros(k, width, dtype=torch.float32)
+        padded[:, :m] = rows
+        padded = padded.view(k, blocks, INT8_BLOCK)
+    scale = padded.abs().amax(dim=2).div_(127.0)
+    scale = torch.where(scale > 0, scale, 1.0)
+    q = torch.div(padded, scale.unsqueeze(2)).round_().clamp_(-127, 127)
     out = torch.empty(k, chunk_nbytes(codec, m), dtype=torch.uint8, device=rows.device)
-    out[:, : blocks * INT8_BLOCK] = q.view(torch.uint8).view(k, -1)
-    out[:, blocks * INT8_BLOCK:] = scale.view(torch.uint8).view(k, -1)
+    values, scales = _int8_parts(out, k, blocks)
+    values.copy_(q)  # float -> int8 of integral values: what .to(torch.int8) gives
+    scales.copy_(scale.unsqueeze(2))
     return out
+
+
+def _int8_parts(chunks: torch.Tensor, k: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of k int8 chunks: the values (k, blocks, INT8_BLOCK) as int8 and the scales
+    (k, blocks, 1) as fp32, read in place (copies only if the bytes are misaligned)."""
+    width = blocks * INT8_BLOCK
+    try:
+        scales = chunks[:, width:].view(torch.float32).view(k, blocks, 1)
+    except RuntimeError:  # an fp32 view needs 4-byte aligned rows
+        chunks = chunks.contiguous()
+        scales = chunks[:, width:].contiguous().view(torch.float32).view(k, blocks, 1)
+    values = chunks[:, :width].view(torch.int8).view(k, blocks, INT8_BLOCK)
+    return values, scales
 
 
 def decode(chunks: torch.Tensor, codec: str, m: int) -> torch.Tensor:
@@ -76,8 +99,7 @@ def decode(chunks: torch.Tensor, codec: str, m: int) -> torch.Tensor:
     if codec == "bf16":
         return chunks.contiguous().view(torch.bfloat16).view(k, m).float()
     blocks = int8_blocks(m)
-    q = chunks[:, : blocks * INT8_BLOCK].contiguous().view(torch.int8).view(k, blocks, INT8_BLOCK)
-    scale = chunks[:, blocks * INT8_BLOCK:].contiguous().view(torch.float32).view(k, blocks, 1)
+    q, scale = _int8_parts(chunks, k, blocks)
     return (q.float() * scale).view(k, -1)[:, :m]
 
 
@@ -88,7 +110,11 @@ def _with_feedback(rows: torch.Tensor, residual: torch.Tensor | None, codec: str
         return encode(rows, codec)
     target = rows.float() + residual.float()
     chunks = encode(target, codec)
-    residual.copy_(target - decode(chunks, codec, rows.shape[1]))
+    dropped = decode(chunks, codec, rows.shape[1])
+    if residual.dtype == torch.float32:
+        torch.sub(target, dropped, out=residual)
+    else:
+        residual.copy_(target - dropped)
     return chunks
 
 
@@ -106,6 +132,11 @@ class _Finished:
         """The buffer alive now: the one being received into, then the finished values
         (memory accounting reads it as it reads PendingComm.result)."""
         return self._first.result if self._result is None else self._result
+
+    def done(self) -> bool:
+        """Whether the first collective has completed (the finishing step may still run,
+        and an all-reduce's issues its all-gather then)."""
+        return self._finish is None or self._first.done()
 
     def wait(self) -> torch.Tensor:
         if self._finish is not None:

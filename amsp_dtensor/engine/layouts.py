@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .. import compat
+
 P_PLACEMENTS = (Replicate(), Shard(0), Replicate(), Replicate())
 G_PLACEMENTS = (Partial(), Shard(0), Shard(0), Partial())
 OS_PLACEMENTS = (Replicate(), Shard(0), Shard(0), Shard(0))
@@ -76,6 +78,7 @@ class FlatLayout:
             self.offsets.append(offset)
             offset += p.slot_numel
         self.numel = offset
+        self._plans: dict[int, _Chunked] = {}
 
     @staticmethod
     def for_shapes(shapes: list[torch.Size], rows: list[int] | None = None, caps=None):
@@ -102,10 +105,22 @@ class FlatLayout:
             for off, p in zip(self.offsets, self.params)
         ]
 
+    def _chunked(self, k: int) -> "_Chunked":
+        """The pack/unpack plan of this layout over k sub-chunks, computed once."""
+        plan = self._plans.get(k)
+        if plan is None:
+            plan = self._plans[k] = _Chunked(self, k)
+        return plan
+
     def pack(self, flat: torch.Tensor, k: int) -> torch.Tensor:
         """[k, sub.numel] buffer: row i holds sub-chunk i of every tensor, zero padded."""
-        sub_numel = sum(math.ceil(p.cap / k) * p.cols for p in self.params)
-        out = flat.new_zeros(k, sub_numel)
+        plan = self._chunked(k)
+        if plan.chunk_cat:
+            # FSDP2's copy-in: one kernel for the whole unit (same values as the loop below)
+            out = flat.new_empty(k, plan.sub_numel)
+            compat.chunk_cat(self.views(flat), k, out)
+            return out
+        out = flat.new_zeros(k, plan.sub_numel)
         sub_off = 0
         for src, p in zip(self.views(flat), self.params):
             sub_cap = math.ceil(p.cap / k)
@@ -120,6 +135,12 @@ class FlatLayout:
     def unpack_into(self, gathered: torch.Tensor, k: int, dests: list[torch.Tensor]) -> None:
         """Inverse of pack: write the [k, sub.numel] buffer's chunks into ``dests``
         ((rows, cols)-viewable tensors, one per param, possibly of another dtype)."""
+        plan = self._chunked(k)
+        if plan.split_copy and all(d.dtype == gathered.dtype and d.is_contiguous() for d in dests):
+            # FSDP2's copy-out: one kernel writes every param's k chunks
+            torch.split_with_sizes_copy(gathered, plan.widths, dim=1,
+                                        out=[d.view(k, w) for d, w in zip(dests, plan.widths)])
+            return
         sub_off = 0
         for dest, p in zip(dests, self.params):
             dest_rows = dest.view(p.rows, p.cols)
@@ -130,6 +151,28 @@ class FlatLayout:
                         gathered[i, sub_off : sub_off + length * p.cols].view(length, p.cols)
                     )
             sub_off += sub_cap * p.cols
+
+
+class _Chunked:
+    """How a layout's tensors split into k sub-chunks: the width of each tensor's slot in
+    a packed row, and whether one fused kernel can pack and unpack (same values as the
+    per-chunk copies, which handle the rest).
+
+    ``chunk_cat`` (pack): torch.chunk's chunks of a tensor's real rows are ceil(rows/k)
+    rows, padded to the slot's ceil(cap/k) rows; ``torch._chunk_cat`` pads each chunk to
+    ceil(rows/k) rows, so the two agree when those are equal (and rows > 0).
+    ``split_copy`` (unpack): every tensor's rows fill its k slots exactly (rows = k x
+    ceil(cap/k)), so a tensor is its [k, width] slots with no padding to skip.
+    """
+
+    def __init__(self, layout: FlatLayout, k: int):
+        caps = [math.ceil(p.cap / k) for p in layout.params]
+        self.widths = [c * p.cols for c, p in zip(caps, layout.params)]
+        self.sub_numel = sum(self.widths)
+        self.chunk_cat = bool(layout.params) and all(
+            p.rows > 0 and math.ceil(p.rows / k) == c for p, c in zip(layout.params, caps))
+        self.split_copy = bool(layout.params) and all(
+            p.rows == k * c for p, c in zip(layout.params, caps))
 
 
 def gather_full(dtensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ have landed would be overwritten by the landing: it raises ParamWrittenWhilePend
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 
@@ -196,6 +197,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._inner_state = InnerState.FRESH
+        self._limited_groups: dict = {}  # _groups_limited_to's lists, by (units, groups)
         self._root.bind_optimizer(overlap_param_update)
 
     @property
@@ -270,12 +272,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # one cast and one division for the whole unit, not one per tensor
         views = (unit.os_layout.views(synced.to(torch.float32) / factor)
                  if synced is not None else None)
-        for j, master in enumerate(masters):
-            opt_param = self._opt_params[start + j]
-            if views is None:
-                opt_param.grad = None
-                continue
-            opt_param.grad = views[j].view(master.to_local().shape)
+        for j in range(len(masters)):
+            opt_param = self._opt_params[start + j]  # the master's local rows, as a Parameter
+            opt_param.grad = None if views is None else views[j].view(opt_param.shape)
 
     def _check_ready_to_step(self) -> None:
         """Every unit must be SYNCED, or REDUCING with its last stage in flight after the
@@ -405,12 +404,16 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     def _steps_per_unit(self) -> bool:
         """[Note: per-unit step] An elementwise optimizer's update of one parameter reads
-        nothing of the others, so stepping the units one by one (the wrapped optimizer
+        nothing of the others, so stepping the units in groups (the wrapped optimizer
         skips parameters whose grad is None) is bit-identical to one step over all of
         them. Each unit is stepped as soon as its own gradient collectives have landed,
         in the order they were issued, and its post-step all-gather is issued right away,
-        so it overlaps the later units' waits and updates. With clip_grad_norm_ the norm
-        needs every gradient first; the updates are still issued unit by unit."""
+        so it overlaps the later units' waits and updates. Units whose collectives have
+        all completed by then are stepped together, in one call of the wrapped optimizer
+        (one launch of each foreach kernel for all of them, and one walk over its
+        params): those with nothing in flight when ``step()`` starts, and after each wait
+        the next units whose collectives completed meanwhile. With clip_grad_norm_ the
+        norm needs every gradient first, so all units are ready and step together."""
         return (self._root.overlap.step
                 and self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
 
@@ -419,20 +422,68 @@ class AMSPOptimizer(torch.optim.Optimizer):
         prepared = [p.grad for p in self._opt_params] if self._master_grads_ready() else None
         for opt_param in self._opt_params:
             opt_param.grad = None
-        for unit in root.sync_order():
+        order = root.sync_order()
+        waiting = {id(e.unit) for e in root.in_flight}
+        ready = [u for u in order if prepared is not None or id(u) not in waiting]
+        rest = order[len(ready):]
+        if ready:
+            self._step_units(ready, prepared)
+        while rest:
+            batch = [rest.pop(0)]
+            root.finish_unit_sync(batch[0])  # may block: the next unit's collectives
+            while rest and root.unit_sync_done(rest[0]):
+                root.finish_unit_sync(rest[0])  # completed meanwhile: does not block
+                batch.append(rest.pop(0))
+            self._step_units(batch, None)
+
+    def _step_units(self, units: list[AMSPUnit], prepared: list | None) -> None:
+        """One step of the wrapped optimizer over ``units`` (their gradients landed),
+        then each unit's post-step update issued, in order."""
+        stepped = []
+        for unit in units:
             start, masters = self._unit_slices[id(unit)]
             mine = self._opt_params[start:start + len(masters)]
             if prepared is not None:
                 for j, opt_param in enumerate(mine):
                     opt_param.grad = prepared[start + j]
             else:
-                root.finish_unit_sync(unit)
                 self._prepare_unit_grads(unit)
-            with record_function(unit.profile_label("AMSP::optimizer_step")):
+            stepped.extend(mine)
+        # one range per call, naming its units: "AMSP::optimizer_step (layers.0 + layers.1)"
+        label = (f"AMSP::optimizer_step ({' + '.join(u.name for u in units)})"
+                 if compat.profiler_enabled() else None)
+        with record_function(label) if label else contextlib.nullcontext():
+            if len(stepped) == len(self._opt_params):
                 self.inner.step()
-            for opt_param in mine:
-                opt_param.grad = None
-            unit.send(masters)
+            else:
+                with self._groups_limited_to(units, stepped):
+                    self.inner.step()
+        for opt_param in stepped:
+            opt_param.grad = None
+        for unit in units:
+            unit.send(self._unit_slices[id(unit)][1])
+
+    @contextlib.contextmanager
+    def _groups_limited_to(self, units: list, params: list):
+        """The wrapped optimizer's param groups hold only ``params``, those of ``units``
+        (the others have no grad and would be skipped): a step over a few units then
+        walks their params alone, not every param of the model. The groups are restored
+        afterwards; the limited lists are computed once per units and groups."""
+        groups = self.inner.param_groups
+        saved = [group["params"] for group in groups]
+        key = (tuple(id(u) for u in units), tuple(id(ps) for ps in saved))
+        limited = self._limited_groups.get(key)
+        if limited is None:
+            wanted = {id(p) for p in params}
+            limited = [[p for p in ps if id(p) in wanted] for ps in saved]
+            self._limited_groups = {**self._limited_groups, key: limited}
+        try:
+            for group, mine in zip(groups, limited):
+                group["params"] = mine
+            yield
+        finally:
+            for group, all_params in zip(groups, saved):
+                group["params"] = all_params
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the step's gradients. After a forward or backward that raised, also reset

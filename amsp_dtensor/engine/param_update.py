@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
 from . import compression, streams
 from .collectives import Collectives
 
@@ -78,15 +79,20 @@ def issue(unit: "AMSPUnit", masters: list, collectives: Collectives):
     all-gather over the OS subgroup: (its PendingComm, the send buffer)."""
     p_locals = unit.local_params()
     k = unit.info.os_split[0]
+    sources = [compat.dtensor_local(master) for master in masters]
     if k == 1:
-        for dest, master in zip(p_locals, masters):
-            src = master.to_local().view(dest.shape)
-            if src.data_ptr() != dest.data_ptr():  # an fp32 P shard is its own master
-                dest.copy_(src)
+        # an fp32 P shard is its own master: nothing to copy
+        pairs = [(dest, src.view(dest.shape)) for dest, src in zip(p_locals, sources)
+                 if src.data_ptr() != dest.data_ptr()]
+        if pairs:
+            compat.foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         return None
-    send_buf = torch.zeros(unit.os_layout.numel, dtype=p_locals[0].dtype, device=p_locals[0].device)
-    for view, master in zip(unit.os_layout.views(send_buf), masters):
-        view.copy_(master.to_local().reshape(view.shape))
+    layout = unit.os_layout
+    padded = any(p.rows != p.cap for p in layout.params)
+    make = torch.zeros if padded else torch.empty  # every element is written when unpadded
+    send_buf = make(layout.numel, dtype=p_locals[0].dtype, device=p_locals[0].device)
+    views = layout.views(send_buf)
+    compat.foreach_copy_(views, [src.reshape(view.shape) for view, src in zip(views, sources)])
     if codec := unit.weight_codec():
         # every rank, this one included, lands the values dequantized from the same bytes
         return compression.all_gather(collectives, send_buf, unit.info.os_subgroup_dim,

@@ -310,7 +310,7 @@ class RootState:
 
     def _complete_at(self, index: int) -> None:
         entry = self.in_flight.pop(index)
-        with record_function(entry.unit.profile_label(f"AMSP::{entry.stage.value}_wait")):
+        with entry.unit.profile_range(f"AMSP::{entry.stage.value}_wait"):
             result = entry.pending.wait()
         entry.unit.advance(entry, result)
 
@@ -328,6 +328,12 @@ class RootState:
             while any(e.unit is unit for e in self.in_flight):
                 self._complete_at(0)
         streams.join_compute(self.grad_stream)
+
+    def unit_sync_done(self, unit: AMSPUnit) -> bool:
+        """No collective of ``unit`` or of an entry issued before its last one is still
+        running (``finish_unit_sync(unit)`` would not block on communication)."""
+        last = max((i for i, e in enumerate(self.in_flight) if e.unit is unit), default=-1)
+        return all(e.pending.done() for e in self.in_flight[:last + 1])
 
     def sync_order(self) -> list[AMSPUnit]:
         """The units in the order their gradients finish syncing: those already done, then

@@ -278,12 +278,20 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
         p_rows = [s[0] if len(s) else 1 for s in global_shapes]
         p_caps = list(p_rows)
     p_layout, g_layout, os_layout = build_layouts(info, global_shapes, p_rows, p_caps)
+    if uses_fsdp:  # FSDP's params, in the order of its flat buffers
+        param_module, param_names = _fsdp_names(
+            modules, [fp.sharded_param for fp in compat.fsdp_params(module)
+                      if fp.sharded_param.requires_grad])
+    else:
+        param_module = [module_of[id(p)] for _, p in trainable]
+        param_names = [n for n, _ in trainable]
+    tp = [tp_of[k] for k in zip(param_module, param_names)] if tp_of else []
     unit = AMSPUnit(
         module=module,
         fqn="",
         info=info,
         own_params=params,
-        param_names=[n for n, _ in trainable],
+        param_names=param_names,
         frozen_params=frozen if not uses_fsdp else [],
         uses_fsdp=uses_fsdp,
         global_shapes=list(global_shapes),
@@ -293,14 +301,10 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
         reduce_dtype=mp_policy.reduce_dtype if mp_policy is not None else None,
         device=device,
         modules=list(modules),
-        param_module=[module_of[id(p)] for _, p in trainable],
+        param_module=param_module,
+        tp_placements=[placement for placement, _ in tp],
+        full_shapes=[shape for _, shape in tp],
     )
-    if uses_fsdp:
-        unit.param_module, unit.param_names = _fsdp_names(modules, unit.params)
-    if tp_of:
-        keys = list(zip(unit.param_module, unit.param_names))
-        unit.tp_placements = [tp_of[k][0] for k in keys]
-        unit.full_shapes = [tp_of[k][1] for k in keys]
     if uses_fsdp:
         # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
         # engine divides once, on the fp32 master grads.
@@ -467,13 +471,7 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
                      grad_stream=streams.grad_stream(info.mesh.device_type))
     prefix_of = {m: clean_fqn(name) for name, m in module.named_modules()}
     for unit in units:
-        unit.root = root
-        prefixes = [prefix_of[m] for m in unit.modules]
-        unit.fqn = prefixes[0] if len(prefixes) == 1 else f"[{', '.join(prefixes)}]"
-        unit.param_fqns = [
-            clean_fqn(f"{prefixes[i]}.{n}" if prefixes[i] else n)
-            for i, n in zip(unit.param_module, unit.param_names)
-        ]
+        unit.attach(root, [prefix_of[m] for m in unit.modules])
     for sub in module.modules():
         if sub is not module:
             handle.clear_root(sub)  # a block sharded before its parent is a root no more

@@ -31,6 +31,7 @@ all units in issue order (root.py) and completes them in that order, calling ``a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -45,9 +46,13 @@ from .. import compat
 from ..plan.compression import codec_applies
 from . import compression, param_update
 from .collectives import PendingComm
+from .fqn import clean_fqn
 from .layouts import FlatLayout
 from .lifecycle import StepState, check_transition
 from .mesh import MeshInfo
+
+
+NO_RANGE = contextlib.nullcontext()  # profile_range when no profiler collects
 
 
 class GradStage(enum.Enum):
@@ -165,6 +170,14 @@ class AMSPUnit:
     # codec dropped, kept across steps in the stage's input shape and dtype
     residuals: dict = field(default_factory=dict)
 
+    def attach(self, root, prefixes: list[str]) -> None:
+        """The root (root.RootState) now owns this unit; ``prefixes``: the FQN of each of
+        the unit's modules under the root (what messages and checkpoints name)."""
+        self.root = root
+        self.fqn = prefixes[0] if len(prefixes) == 1 else f"[{', '.join(prefixes)}]"
+        self.param_fqns = [clean_fqn(f"{prefixes[i]}.{n}" if prefixes[i] else n)
+                           for i, n in zip(self.param_module, self.param_names)]
+
     # ---- reading the step state ---------------------------------------------------
     @property
     def step_state(self) -> StepState:
@@ -210,16 +223,8 @@ class AMSPUnit:
         if k_g == 1:
             self._add_partial(flat_p)
             return
-        packed = self.p_layout.pack(flat_p, k_g)
-        phase = "sync" if sync else "backward"
-        if codec := self.grad_codec("g"):
-            residual = self._residual(GradStage.G_REDUCE, packed.shape)
-            self._issue(GradStage.G_REDUCE, packed, lambda c: compression.reduce_scatter(
-                c, packed, residual, "g", phase, codec))
-            return
-        g_shard = flat_p.new_empty(self.g_layout.numel)
-        self._issue(GradStage.G_REDUCE, packed, lambda c: c.reduce_scatter(
-            g_shard, packed.view(-1), "g", phase=phase))
+        self._issue_stage(GradStage.G_REDUCE, "g", self.p_layout.pack(flat_p, k_g),
+                          "sync" if sync else "backward")
 
     def advance(self, entry: InFlightStage, result: torch.Tensor) -> None:
         """``entry``, this unit's stage in flight, completed with ``result``: run the
@@ -252,30 +257,35 @@ class AMSPUnit:
         k_g, k_os = self.info.size("g"), self.info.size("os")
         if k_g == 1 and k_os > 1:
             # s_g = s_p < s_os: shrink the P-sized G to the OS shard while reducing it.
-            packed = self.p_layout.pack(grad, k_os)
-            if codec := self.grad_codec("os"):
-                residual = self._residual(GradStage.OS_REDUCE, packed.shape)
-                self._issue(GradStage.OS_REDUCE, packed, lambda c: compression.reduce_scatter(
-                    c, packed, residual, "os", "sync", codec))
-                return
-            os_shard = grad.new_empty(self.os_layout.numel)
-            self._issue(GradStage.OS_REDUCE, packed, lambda c: c.reduce_scatter(
-                os_shard, packed.view(-1), "os", phase="sync"))
+            self._issue_stage(GradStage.OS_REDUCE, "os", self.p_layout.pack(grad, k_os), "sync")
         else:
             self._issue_replica_reduce(grad)
 
     def _issue_replica_reduce(self, os_shard: torch.Tensor) -> None:
-        k_rep = self.info.size("rep")
-        if k_rep > 1 and (codec := self.grad_codec("rep")):
-            shape = (k_rep, compression.residual_rows(os_shard.numel(), k_rep))
-            residual = self._residual(GradStage.REP_REDUCE, shape)
-            self._issue(GradStage.REP_REDUCE, os_shard, lambda c: compression.all_reduce(
-                c, os_shard, residual, "rep", "sync", codec))
-        elif k_rep > 1:
-            self._issue(GradStage.REP_REDUCE, None,
-                        lambda c: c.all_reduce(os_shard, "rep", phase="sync"))
+        if self.info.size("rep") > 1:
+            self._issue_stage(GradStage.REP_REDUCE, "rep", os_shard, "sync")
         else:
             self._store_synced(os_shard)
+
+    def _issue_stage(self, stage: GradStage, dim: str, tensor: torch.Tensor, phase: str) -> None:
+        """Issue ``stage`` over mesh dim ``dim``: the one place that picks its collective.
+        G_REDUCE / OS_REDUCE reduce-scatter ``tensor`` ([k, m], pack's output) to this
+        rank's m elements; REP_REDUCE all-reduces ``tensor`` in place. Each is the
+        compressed form (compression.py) when the stage has a codec, else exact."""
+        codec = self.grad_codec(dim)
+        scatter = stage is not GradStage.REP_REDUCE
+        if codec is not None:
+            shape = tensor.shape if scatter else (
+                self.info.size(dim), compression.residual_rows(tensor.numel(), self.info.size(dim)))
+            residual = self._residual(stage, shape)
+            op = compression.reduce_scatter if scatter else compression.all_reduce
+            self._issue(stage, tensor, lambda c: op(c, tensor, residual, dim, phase, codec))
+        elif scatter:
+            out = tensor.new_empty(tensor.shape[1])
+            self._issue(stage, tensor, lambda c: c.reduce_scatter(out, tensor.view(-1), dim,
+                                                                  phase=phase))
+        else:
+            self._issue(stage, None, lambda c: c.all_reduce(tensor, dim, phase=phase))
 
     # ---- compression of the cross-node stages (compression.py) ---------------------
     def grad_codec(self, dim: str) -> str | None:
@@ -316,7 +326,7 @@ class AMSPUnit:
         self.residuals = {GradStage(name): r.to(self.grad_dtype()) for name, r in state.items()}
 
     def _issue(self, stage: GradStage, keepalive, issue) -> None:
-        with record_function(self.profile_label(f"AMSP::{stage.value}_issue")):
+        with self.profile_range(f"AMSP::{stage.value}_issue"):
             pending = issue(self.root.collectives)
         entry = InFlightStage(self, stage, pending, keepalive)
         self._step = dataclasses.replace(self._step, stage=entry)
@@ -339,7 +349,7 @@ class AMSPUnit:
         shards: a local copy if s_os == s_p (UPDATED), else the all-gather over the OS
         subgroup is issued (SENDING; ``land`` completes it)."""
         grad = self._step.grad
-        with record_function(self.profile_label("AMSP::param_update_issue")):
+        with self.profile_range("AMSP::param_update_issue"):
             issued = param_update.issue(self, masters, self.root.collectives)
         if issued is None:
             self._to(Updated(grad))
@@ -359,7 +369,7 @@ class AMSPUnit:
         moved = sorted({i % n for i, (a, b) in enumerate(zip(now, pending.versions)) if a != b})
         names = self.param_fqns if len(self.param_fqns) == n else [self.name] * n
         self._to(Updated(step.grad))
-        with record_function(self.profile_label("AMSP::param_update_land")):
+        with self.profile_range("AMSP::param_update_land"):
             param_update.unpack(self, pending.comm)
         return list(dict.fromkeys(names[i] for i in moved))
 
@@ -413,6 +423,11 @@ class AMSPUnit:
         """A profiler range name, FSDP2-style: ``AMSP::<phase> (<unit fqn>)``."""
         return f"{label} ({self.fqn})" if self.fqn else label
 
+    def profile_range(self, label: str):
+        """``record_function(profile_label(label))`` while a profiler collects; nothing
+        (not even the name) otherwise: ranges cost host time on every step."""
+        return record_function(self.profile_label(label)) if compat.profiler_enabled() else NO_RANGE
+
     def refresh_params(self) -> bool:
         """For s_p = 1 units: pick up Parameter objects that ``module.to_empty`` (materialising
         a meta model) may have replaced. Returns True if any changed (hooks need re-adding)."""
@@ -446,7 +461,7 @@ class AMSPUnit:
     def local_params(self) -> list[torch.Tensor]:
         """This rank's P rows of each param, as plain tensors sharing the param storage."""
         if self.uses_fsdp or self.tp_placements:  # FSDP's or TP's DTensors
-            return [values_of(p.to_local()) for p in self.params]
+            return [values_of(compat.dtensor_local(p)) for p in self.params]
         return [values_of(p.data) for p in self.params]
 
     def write_versions(self) -> tuple[int, ...]:
@@ -454,7 +469,8 @@ class AMSPUnit:
         own (``p.mul_()``, ``p.copy_()``, ``load_state_dict``) and, for DTensor params (FSDP
         units, TP), its local tensor's (``p.to_local().mul_()``). A write through ``p.data`` moves neither."""
         params = self.params
-        local = [p.to_local() for p in params] if self.uses_fsdp or self.tp_placements else []
+        local = ([compat.dtensor_local(p) for p in params]
+                 if self.uses_fsdp or self.tp_placements else [])
         return tuple(compat.tensor_version(t) for t in [*params, *local])
 
     def grad_dtype(self) -> torch.dtype:
@@ -468,15 +484,20 @@ class AMSPUnit:
         (torchtitan's flow) takes the device it is materialised on (``to_empty``)."""
         if not self.uses_fsdp:
             self._check_tp_kind(self._module_params())
-        local = self.local_params()
-        if not local or local[0].device == self.device:
+        params = self.params
+        if not params:
+            return
+        # every P shard of a unit is on one device: the first one's tells
+        device = (compat.dtensor_local(params[0]) if self.uses_fsdp or self.tp_placements
+                  else params[0]).device
+        if device == self.device:
             return
         if self.device.type == "meta":
-            self.device = local[0].device
+            self.device = device
         else:
             raise RuntimeError(
                 f"AMSP unit {self.name} was sharded on {self.device} but its parameters are "
-                f"now on {local[0].device}: move the model before amsp.fully_shard (or build "
+                f"now on {device}: move the model before amsp.fully_shard (or build "
                 "it on the target device), not after"
             )
 
