@@ -41,14 +41,22 @@ def _compression(job_config, compression):
                        weights=None if weights in off else weights)
 
 
+def _model_args(job_config):
+    """The model's shapes: what the job's view offers (``planner_model_args``: torchtitan
+    0.3, see v03/job.py), else torchtitan 0.2.2's TrainSpec model args."""
+    offered = getattr(job_config, "planner_model_args", None)
+    if offered is not None:
+        return offered()
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    return get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+
+
 def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None) -> dict:
     """What the planner needs, from the torchtitan job config (docs/design.md, 'Planner').
     compression: None, a Compression or its text ("grads=int8,weights=bf16"); None reads
     [amsp] compress_grads / compress_weights if the config has them."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    spec = get_train_spec(job_config.model.name)
-    model_args = spec.model_args[job_config.model.flavor]
+    model_args = _model_args(job_config)
     t = job_config.training
     tp = job_config.parallelism.tensor_parallel_degree
     dp = world // tp  # the data-parallel ranks; each tp group takes one share of the batch
