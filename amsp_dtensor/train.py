@@ -1,5 +1,8 @@
 """Entry point: ``torchrun --nproc_per_node 4 -m amsp_dtensor.train --job.config_file X.toml``.
 
+The installed torchtitan decides: on 0.3 the job goes to ``amsp_dtensor.titan.v03.launch``
+(the same TOML mapped onto 0.3's config, or a config registry entry); what follows is 0.2.2.
+
 What it adds to ``python -m torchtitan.train``:
   1. the CPU shims (only when no accelerator exists), before torchtitan is imported;
   2. the [amsp] section and the AMSP TrainSpecs (``llama3_amsp``, ``qwen3_amsp``, and
@@ -200,6 +203,12 @@ def run(job_config) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_warnings()
+    from amsp_dtensor.titan.version import is_titan03
+
+    if is_titan03():  # the installed torchtitan decides
+        from amsp_dtensor.titan.v03 import launch
+
+        return launch.main(argv)
     from amsp_dtensor.titan import cpu_compat
 
     cpu_compat.apply()
