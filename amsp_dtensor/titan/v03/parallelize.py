@@ -74,15 +74,22 @@ class _TensorParallelDims:
     def __init__(self, parallel_dims, tp_mesh):
         self._dims, self._tp_mesh = parallel_dims, tp_mesh
 
-    def get_mesh(self, names):
-        if names == "tp" or names == ["tp"]:
+    def _swap(self, mesh):
+        if mesh is not None and tuple(mesh.mesh_dim_names or ()) == ("tp",):
             return self._tp_mesh
-        return self._dims.get_mesh(names)
+        return mesh
+
+    def get_mesh(self, names):
+        return self._swap(self._dims.get_mesh(names))
 
     def get_optional_mesh(self, names):
-        if names == "tp" or names == ["tp"]:
-            return self._tp_mesh
-        return self._dims.get_optional_mesh(names)
+        return self._swap(self._dims.get_optional_mesh(names))
+
+    def resolve_mesh(self, axes):
+        return self._swap(self._dims.resolve_mesh(axes))
+
+    def resolve_shared_mesh(self, placements):
+        return self._swap(self._dims.resolve_shared_mesh(placements))
 
     def __getattr__(self, name):
         return getattr(self._dims, name)
