@@ -75,11 +75,12 @@ def planner_model(config):
     model_config = config.model_spec.model
     with torch.device("meta"):
         model = model_config.build()
-    heads = [c for _, c, _, _ in model_config.traverse(object, recurse=True)
-             if hasattr(c, "n_heads")] if hasattr(model_config, "traverse") else []
-    n_heads = next((c.n_heads for c in heads), None)
-    n_kv = next((getattr(c, "n_kv_heads", None) for c in heads
-                 if getattr(c, "n_kv_heads", None)), None)
+    attention = [getattr(layer, "attention", None) for layer in model_config.layers]
+    attention = [a for a in attention if a is not None and hasattr(a, "n_heads")]
+    n_heads = attention[0].n_heads if attention else None
+    qkv = getattr(attention[0], "qkv_linear", None) if attention else None
+    n_kv = (getattr(attention[0], "n_kv_heads", None) if attention else None) or getattr(
+        qkv, "n_kv_heads", None)
     w1 = next((p for n, p in model.named_parameters() if n.endswith("feed_forward.w1.weight")),
               None)
     if n_heads is None or w1 is None:
