@@ -54,7 +54,7 @@ def load_config(argv: list[str]):
 def main(argv: list[str]) -> int:
     from torchtitan.tools.logging import init_logger, logger
 
-    from ... import train as launcher
+    from ... import launching as launcher
     from ..config import AmspConfigError
     from .parallelize import is_amsp
     from .trainer import prepare
