@@ -205,3 +205,23 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process_group(args, line):
     errors = [s for s in proc.stderr.splitlines() if "error" in s.lower()]
     assert len(errors) == 1 and errors[0].startswith(line), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_plan_is_resolved_once_and_bound_to_the_parallelize_fn(monkeypatch):
+    """The launcher's check and the trainer's (both ``v03.trainer.prepare``) resolve the
+    [amsp] plan once: ShardingPlan.resolve runs once, and the ModelSpec's parallelize_fn
+    carries that same ResolvedPlan object."""
+    from amsp_dtensor.plan import ShardingPlan
+    from amsp_dtensor.titan.v03 import toml_config
+    from amsp_dtensor.titan.v03.trainer import prepare
+
+    calls, real = [], ShardingPlan.resolve
+    monkeypatch.setattr(ShardingPlan, "resolve",
+                        lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config = toml_config.build(toml_config.read(["--job.config_file", str(RECIPE)])[0])
+    plan = prepare(config)  # the launcher's, before any process group
+    again = prepare(config)  # AmspTrainer.__init__'s
+    assert again is plan and plan.name == "p2-g2-os4" and len(calls) == 1
+    assert config.model_spec.parallelize_fn.keywords["plan"] is plan
