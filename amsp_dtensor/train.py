@@ -1,5 +1,8 @@
 """Entry point: ``torchrun --nproc_per_node 4 -m amsp_dtensor.train --job.config_file X.toml``.
 
+The installed torchtitan decides: on 0.3 the job goes to ``amsp_dtensor.titan.v03.launch``
+(the same TOML mapped onto 0.3's config, or a config registry entry); what follows is 0.2.2.
+
 What it adds to ``python -m torchtitan.train``:
   1. the CPU shims (only when no accelerator exists), before torchtitan is imported;
   2. the [amsp] section and the AMSP TrainSpecs (``llama3_amsp``, ``qwen3_amsp``, and
@@ -18,22 +21,16 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+
+from amsp_dtensor.launching import (REFUSAL_GRACE_S, _rank, _shown_rank,  # noqa: F401
+                                    prepare_data_at, quiet_other_ranks)
 
 CONFIG_MODULE = "amsp_dtensor.titan.config"
 CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
-# seconds a rank other than 0 waits before exiting on a refused config (see main)
-REFUSAL_GRACE_S = 5.0
-
-
 class UsageError(Exception):
     """A config problem reported as one line (no traceback)."""
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def _with_config_module(argv: list[str], toml_values: dict | None) -> list[str]:
@@ -83,16 +80,6 @@ def read_job_config(argv: list[str]):
     return config, amsp_given
 
 
-def prepare_data_at(paths) -> None:
-    """Build the offline tokenizer/corpus if any path points into the project's data folder."""
-    from amsp_dtensor.data import DEFAULT_ROOT, ensure_assets, set_hf_home
-
-    set_hf_home(DEFAULT_ROOT)
-    root = DEFAULT_ROOT.resolve()
-    if any(p and Path(p).resolve().is_relative_to(root) for p in paths):
-        ensure_assets(DEFAULT_ROOT)
-
-
 def prepare_data(job_config) -> None:
     prepare_data_at([job_config.model.hf_assets_path, job_config.training.dataset_path])
 
@@ -102,11 +89,6 @@ NEVER_SHOWN_WARNINGS = (
     # note to torchdata's authors that no job setting changes.
     r"'set_vital' is deprecated",
 )
-
-
-def _shown_rank() -> bool:
-    """True on the ranks listed in LOG_RANK (default "0")."""
-    return str(_rank()) in {r.strip() for r in os.environ.get("LOG_RANK", "0").split(",")}
 
 
 def quiet_warnings() -> None:
@@ -124,18 +106,6 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
     if not _shown_rank():
         warnings.simplefilter("ignore")
-
-
-def quiet_other_ranks() -> None:
-    """torchtitan's logger: the ranks in LOG_RANK (default "0") log at INFO, as torchtitan's
-    run_train.sh arranges with torchrun's --local-ranks-filter; the others log errors only
-    (their warnings repeat rank 0's, see quiet_warnings)."""
-    import logging
-
-    from torchtitan.tools.logging import logger
-
-    if not _shown_rank():
-        logger.setLevel(logging.ERROR)
 
 
 def warn_multi_node_restarts() -> None:
@@ -200,6 +170,12 @@ def run(job_config) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_warnings()
+    from amsp_dtensor.titan.version import is_titan03
+
+    if is_titan03():  # the installed torchtitan decides
+        from amsp_dtensor.titan.v03 import launch
+
+        return launch.main(argv)
     from amsp_dtensor.titan import cpu_compat
 
     cpu_compat.apply()

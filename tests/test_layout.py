@@ -6,7 +6,11 @@ the dependencies that show the architecture hold.
 - ``plan/cost/`` (the pure model) imports nothing of the engine or the integration;
 - ``plan/`` (the plan and the cost model, the lowest floor) imports nothing of the package
   outside ``plan/``, nor torchtitan: the commands that drive the engine live in
-  ``harness/``, and plan/'s entries for them import nothing.
+  ``harness/``, and plan/'s entries for them import nothing;
+- the two torchtitan integrations stay apart: ``titan/v03/`` (torchtitan 0.3) imports none
+  of ``titan/``'s 0.2.2-only modules (they import 0.2.2's names at module level), and
+  nothing under ``titan/`` outside ``v03/`` imports ``v03/``; both share ``titan/``'s
+  version-neutral modules (plan checks, units, optimizer state, step).
 
 Imports inside functions count (a function-level import that only hides a cycle or a
 layering break is still one), and so does the subpackage ``__init__`` that importing one
@@ -133,6 +137,19 @@ def _inside_plan(name: str) -> bool:
 
 def test_the_plan_imports_nothing_above_it():
     assert plan_breaks() == []
+
+
+TITAN_022_ONLY = ["amsp_dtensor.titan._v022", "amsp_dtensor.titan.specs",
+                  "amsp_dtensor.titan.parallelize", "amsp_dtensor.titan.optimizer",
+                  "amsp_dtensor.titan.trainer", "amsp_dtensor.titan.dataloader"]
+
+
+def test_the_two_torchtitan_integrations_stay_apart():
+    graph = _package_graph()
+    assert any(m.startswith("amsp_dtensor.titan.v03.") for m in graph), "no v03 modules found"
+    assert breaks(graph, "amsp_dtensor.titan.v03", TITAN_022_ONLY) == []
+    shared = {m: deps for m, deps in graph.items() if not m.startswith("amsp_dtensor.titan.v03")}
+    assert breaks(shared, "amsp_dtensor.titan", ["amsp_dtensor.titan.v03"]) == []
 
 
 def test_the_checks_can_fail():

@@ -1,53 +1,27 @@
-"""torchtitan 0.2.2 integration of amsp_dtensor (the only package that imports torchtitan).
+"""torchtitan integration of amsp_dtensor (the only package that imports torchtitan).
 
-Importing it (``[experimental] custom_import = "amsp_dtensor.titan"``) applies the CPU shims
-when no accelerator exists, then registers the AMSP variant ``<name>_amsp`` of torchtitan's
-dense LLM TrainSpecs (``llama3_amsp``, ``qwen3_amsp``): the same spec with AMSP's
-parallelize_fn, optimizer builder and metrics processor (see ``specs``). The ``[amsp]``
-TOML section comes from ``[job] custom_config_module = "amsp_dtensor.titan.config"``.
+Which torchtitan is installed decides what importing it does (``version``):
+
+- torchtitan 0.2.2: importing it (``[experimental] custom_import = "amsp_dtensor.titan"``)
+  applies the CPU shims when no accelerator exists, then registers the AMSP variant
+  ``<name>_amsp`` of torchtitan's dense LLM TrainSpecs (``llama3_amsp``, ``qwen3_amsp``):
+  the same spec with AMSP's parallelize_fn, optimizer builder and metrics processor (see
+  ``specs``). The ``[amsp]`` TOML section comes from ``[job] custom_config_module =
+  "amsp_dtensor.titan.config"``.
+- torchtitan 0.3: nothing of the above (0.3 has no TrainSpecs nor TOML); the integration
+  is ``amsp_dtensor.titan.v03`` (config registry entries ``*_amsp``, the AMSP trainer).
+
+``config`` and ``validate`` (the [amsp] keys and the one plan resolution) import no
+torchtitan and serve both.
 """
 
-from . import cpu_compat
+from .version import is_titan03
 
-cpu_compat.apply()  # before anything imports torchtitan (shims 1 and 2 act at import time)
+if not is_titan03():
+    from ._v022 import *  # noqa: F401,F403
+    from ._v022 import __all__  # noqa: F401
+else:
+    from .config import AmspConfigError  # noqa: F401
+    from .validate import resolve_plan  # noqa: F401
 
-from .parallelize import amsp_plan_of, parallelize_llama_amsp  # noqa: E402
-from .specs import (  # noqa: E402
-    EAGER_BASES,
-    amsp_name,
-    amsp_variant,
-    check_model,
-    ensure_registered,
-    register_amsp_variant,
-    register_eager_variants,
-    uses_amsp,
-)
-from .validate import AmspConfigError, job_plan, resolve_plan  # noqa: E402
-
-TRAIN_SPEC_NAME = "llama3_amsp"
-
-
-def amsp_train_spec(base_name: str = "llama3"):
-    """The AMSP variant of torchtitan's TrainSpec ``base_name`` (not registered)."""
-    from torchtitan.protocols import train_spec as _train_spec
-
-    return amsp_variant(_train_spec.get_train_spec(base_name), base_name)
-
-
-register_eager_variants()
-
-__all__ = [
-    "EAGER_BASES",
-    "TRAIN_SPEC_NAME",
-    "AmspConfigError",
-    "amsp_name",
-    "amsp_plan_of",
-    "amsp_train_spec",
-    "check_model",
-    "ensure_registered",
-    "job_plan",
-    "parallelize_llama_amsp",
-    "register_amsp_variant",
-    "resolve_plan",
-    "uses_amsp",
-]
+    __all__ = ["AmspConfigError", "resolve_plan"]

@@ -41,6 +41,17 @@ def _compression(job_config, compression):
                        weights=None if weights in off else weights)
 
 
+def _model_args(job_config):
+    """The model's shapes: what the job's view offers (``planner_model_args``: torchtitan
+    0.3, see v03/job.py), else torchtitan 0.2.2's TrainSpec model args."""
+    offered = getattr(job_config, "planner_model_args", None)
+    if offered is not None:
+        return offered()
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    return get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+
+
 def _check_pipeline(job_config, pipeline, accumulation: int) -> None:
     """The planner costs one pipeline schedule per optimizer step."""
     if pipeline is not None and accumulation > 1:
@@ -60,10 +71,7 @@ def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None
     [amsp] compress_grads / compress_weights if the config has them. pipeline: the job's
     (validate.pipeline_of) under pipeline parallelism; world and ranks_per_node are then
     one stage's."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    spec = get_train_spec(job_config.model.name)
-    model_args = spec.model_args[job_config.model.flavor]
+    model_args = _model_args(job_config)
     t = job_config.training
     tp = job_config.parallelism.tensor_parallel_degree
     dp = world // tp  # the data-parallel ranks; each tp group takes one share of the batch

@@ -59,10 +59,11 @@ def keep_weights(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def reinit_like_single_process(model: nn.Module, model_cls, model_args, job_config) -> None:
-    """Overwrite ``model``'s (possibly sharded) params with one full seeded initialisation."""
+def reinit_like_single_process(model: nn.Module, build, job_config) -> None:
+    """Overwrite ``model``'s (possibly sharded) params with one full seeded initialisation
+    of the model ``build()`` makes (called on the meta device)."""
     with torch.device("meta"):
-        reference = model_cls(model_args)
+        reference = build()
     init_full_model(reference, job_config)
     full = dict(reference.named_parameters())
     for name, param in model.named_parameters():

@@ -1,0 +1,128 @@
+"""A torchtitan 0.3 ``Trainer.Config`` as the shared checks read a job.
+
+The plan is resolved, and [amsp] / [parallelism] validated, by ``titan.validate`` (one
+code for both torchtitans). It reads a job as 0.2.2's JobConfig spelled it:
+``amsp``, ``parallelism``, ``training``, ``optimizer.name``, ``model.name/flavor``,
+``activation_checkpoint.mode``, ``debug.seed``, ``checkpoint``. ``job_view`` presents a 0.3
+config that way: the sections 0.3 kept are 0.3's own objects; what 0.3 moved (the
+optimizer's name into param groups, the AC mode into a config class, the model into a
+ModelSpec) is read out here, the one place that knows both spellings. Settings the AMSP
+trainer cannot honour on 0.3 are refused here as one AmspConfigError line.
+"""
+
+from __future__ import annotations
+
+import types
+
+from ..config import AmspConfigError
+from ..validate import OPTIMIZER_NAMES
+
+CATCH_ALL = (".*", r".*", "")
+
+
+def optimizer_of(optimizer_config) -> tuple[str, dict, str]:
+    """(optimizer name, its kwargs, implementation) of a 0.3 OptimizersContainer.Config
+    that has one parameter group matching every parameter, as AMSP's optimizer builds one
+    optimizer over all of a unit's parameters."""
+    groups = list(optimizer_config.param_groups)
+    if len(groups) != 1 or groups[0].pattern not in CATCH_ALL:
+        patterns = [g.pattern for g in groups]
+        raise AmspConfigError(
+            f"optimizer.param_groups={patterns!r}: AMSP builds one optimizer over all "
+            "parameters; give one parameter group with pattern \".*\" (as default_adamw does)")
+    group = groups[0]
+    if group.optimizer_name not in OPTIMIZER_NAMES:
+        raise AmspConfigError(
+            f"optimizer.name={group.optimizer_name!r}: AMSP supports {', '.join(OPTIMIZER_NAMES)}")
+    if optimizer_config.implementation not in ("for-loop", "foreach", "fused"):
+        raise AmspConfigError(
+            f"optimizer.implementation={optimizer_config.implementation!r}: AMSP keeps fp32 "
+            "optimizer states; use for-loop, foreach or fused")
+    if optimizer_config.optimizer_factory_kwargs_by_name:
+        raise AmspConfigError(
+            "optimizer.optimizer_factory_kwargs_by_name: AMSP builds torch.optim's Adam/AdamW "
+            "itself and takes no factory arguments; leave it empty")
+    return group.optimizer_name, dict(group.optimizer_kwargs), optimizer_config.implementation
+
+
+def ac_mode(ac_config) -> str:
+    """0.2.2's activation_checkpoint.mode of a 0.3 AC config (None = no AC)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if ac_config is None:
+        return "none"
+    if isinstance(ac_config, FullAC.Config):
+        return "full"
+    if isinstance(ac_config, SelectiveAC.Config):
+        return "selective"
+    raise AmspConfigError(
+        f"activation_checkpoint={type(ac_config).__qualname__}: AMSP runs torchtitan's "
+        "FullAC and SelectiveAC (or none); memory-budget AC needs the whole model compiled")
+
+
+def model_name(config) -> str:
+    spec = config.model_spec
+    return spec.name if spec is not None else ""
+
+
+def planner_model(config):
+    """The model's shapes for the planner (plan = "auto"), read off 0.3's model config
+    built on the meta device."""
+    import torch
+
+    from ...plan.cost.models import ModelShape
+
+    model_config = config.model_spec.model
+    with torch.device("meta"):
+        model = model_config.build()
+    attention = [getattr(layer, "attention", None) for layer in model_config.layers]
+    attention = [a for a in attention if a is not None and hasattr(a, "n_heads")]
+    n_heads = attention[0].n_heads if attention else None
+    qkv = getattr(attention[0], "qkv_linear", None) if attention else None
+    n_kv = (getattr(attention[0], "n_kv_heads", None) if attention else None) or getattr(
+        qkv, "n_kv_heads", None)
+    w1 = next((p for n, p in model.named_parameters() if n.endswith("feed_forward.w1.weight")),
+              None)
+    if n_heads is None or w1 is None:
+        raise AmspConfigError(
+            f"amsp.plan='auto': the planner models llama-style decoders and "
+            f"{model_name(config)} {config.model_spec.flavor} is not one; set param_shard, "
+            "grad_shard and optim_shard")
+    return ModelShape(name=f"{model_name(config)}_{config.model_spec.flavor}",
+                      dim=model_config.dim, n_layers=len(model.layers), n_heads=n_heads,
+                      vocab_size=model_config.vocab_size, ffn_hidden=w1.shape[0],
+                      n_kv_heads=n_kv)
+
+
+class _Parallelism:
+    """0.3's ParallelismConfig plus what 0.2.2 had and the checks read."""
+
+    def __init__(self, parallelism):
+        self._p = parallelism
+        # 0.3 has no loss-parallel switch: its TP plan decides (the planner's input only)
+        self.disable_loss_parallel = True
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+
+def job_view(config) -> types.SimpleNamespace:
+    """``config`` (an AmspTrainer.Config) as ``titan.validate`` reads a job."""
+    name, kwargs, implementation = optimizer_of(config.optimizer)
+    spec = config.model_spec
+    view = types.SimpleNamespace(
+        amsp=config.amsp,
+        parallelism=_Parallelism(config.parallelism),
+        training=config.training,
+        optimizer=types.SimpleNamespace(name=name, early_step_in_backward=False,
+                                        implementation=implementation, **kwargs),
+        model=types.SimpleNamespace(name=model_name(config),
+                                    flavor=spec.flavor if spec is not None else ""),
+        activation_checkpoint=types.SimpleNamespace(mode=ac_mode(config.activation_checkpoint)),
+        job=types.SimpleNamespace(dump_folder=config.dump_folder),
+        debug=config.debug,
+        checkpoint=config.checkpoint,
+        compile=config.compile,
+    )
+    view.planner_model_args = lambda: planner_model(config)
+    return view

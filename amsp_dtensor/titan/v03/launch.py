@@ -1,0 +1,105 @@
+"""``python -m amsp_dtensor.train`` on torchtitan 0.3 (amsp_dtensor.train hands over here
+when 0.3 is installed).
+
+Two ways to name the job:
+  --job.config_file X.toml [--section.key value ...]   a TOML recipe (toml_config)
+  --module M --config C [tyro flags ...]                a 0.3 config registry entry, e.g.
+                                                        --module amsp_dtensor.titan.v03
+                                                        --config llama3_debugmodel_amsp
+Then, before any process group: the AMSP checks and the one plan resolution
+(v03.trainer.prepare); a refused setting stops every rank with one line and exit 2. Then
+the offline data (when the paths point into outputs/amsp_data) and torchtitan's training
+loop with the AmspTrainer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import cpu_compat
+
+cpu_compat.apply()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def load_config(argv: list[str]):
+    """(the AmspTrainer.Config, whether [amsp] keys were given)."""
+    from ..config import AmspConfigError
+
+    if any(a in ("--module", "--config") or a.startswith(("--module=", "--config="))
+           for a in argv):
+        from torchtitan.config import ConfigManager
+
+        from .trainer import AmspTrainer
+
+        try:
+            config = ConfigManager().parse_args(argv)
+        except (ValueError, ImportError) as e:
+            raise AmspConfigError(str(e).splitlines()[0]) from None
+        if not isinstance(config, AmspTrainer.Config):
+            raise AmspConfigError(
+                f"--config: {type(config).__qualname__} is not an AmspTrainer.Config; use an "
+                "*_amsp entry of amsp_dtensor.titan.v03 (or torchtitan's own launcher)")
+        return config, any(a.startswith("--amsp.") for a in argv)
+    from . import toml_config
+
+    values, _ = toml_config.read(argv)
+    return toml_config.build(values), bool(values.get("amsp"))
+
+
+def main(argv: list[str]) -> int:
+    from torchtitan.tools.logging import init_logger, logger
+
+    from ... import launching as launcher
+    from ..config import AmspConfigError
+    from .parallelize import is_amsp
+    from .trainer import prepare
+
+    init_logger()
+    launcher.quiet_other_ranks()
+    try:
+        config, amsp_given = load_config(argv)
+        plan = prepare(config)  # the AMSP checks and the plan, before any process group
+    except AmspConfigError as e:
+        if _rank() == 0:
+            print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            import time
+
+            time.sleep(launcher.REFUSAL_GRACE_S)  # rank 0 prints the line first
+        return 2
+    if plan is not None:
+        tp = config.parallelism.tensor_parallel_degree
+        under_tp = f" x tensor parallel {tp}" if tp > 1 else ""
+        logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
+                    f"({plan.ranks_per_node} per node){under_tp} (torchtitan 0.3)")
+    elif amsp_given and not config.amsp.init_like_single_process and _rank() == 0:
+        logger.warning(f"model {config.model_spec.name} uses torchtitan's own parallelism; the "
+                       "[amsp] settings are not used (for AMSP: model.name <name>_amsp)")
+    assert plan is None or is_amsp(config.model_spec)
+    launcher.prepare_data_at([config.hf_assets_path,
+                              getattr(config.dataloader, "dataset_path", None)])
+    run(config)
+    return 0
+
+
+def run(config) -> None:
+    """The body of torchtitan.train.main, with the AmspTrainer ``config`` builds."""
+    import torch
+
+    from torchtitan.tools.logging import logger
+
+    trainer = None
+    try:
+        trainer = config.build()
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")

@@ -1,0 +1,41 @@
+"""torchtitan 0.3's OptimizersContainer around amsp.AMSPOptimizer (see titan/amsp_optimizers).
+
+A Configurable component as 0.3 declares them: ``AmspOptimizersContainer.Config`` is 0.3's
+``OptimizersContainer.Config`` (param groups, implementation), and ``config.build(
+model_parts=...)``, which 0.3's Trainer calls, builds this container. AMSP runs one
+optimizer over all of a unit's parameters: one parameter group matching every
+parameter, Adam or AdamW (v03.job.optimizer_of refuses anything else in one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from torchtitan.components.optimizer import OptimizersContainer
+
+from ..amsp_optimizers import OPTIMIZER_CLASSES, AmspOptimizers
+from .job import optimizer_of
+
+
+class AmspOptimizersContainer(AmspOptimizers, OptimizersContainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        pass
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        name, kwargs, implementation = optimizer_of(config)
+        kwargs = dict(kwargs, fused=implementation == "fused",
+                      foreach=implementation == "foreach")
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        all_params = self._build_amsp_optimizers(model_parts, OPTIMIZER_CLASSES[name], kwargs)
+        self._post_init(all_params)
+
+
+def amsp_optimizer_config(config: OptimizersContainer.Config) -> AmspOptimizersContainer.Config:
+    """The same settings, built as the AMSP container."""
+    return AmspOptimizersContainer.Config(
+        param_groups=list(config.param_groups), implementation=config.implementation,
+        optimizer_factory_kwargs_by_name=dict(config.optimizer_factory_kwargs_by_name))

@@ -1,0 +1,115 @@
+"""torchtitan 0.3's Trainer with AMSP: ``AmspTrainer.Config`` is 0.3's ``Trainer.Config``
+plus the ``amsp`` section (the keys of the TOML ``[amsp]`` table, ``titan.config.Amsp``).
+
+``config.build()`` makes an AmspTrainer. When the config's ModelSpec is AMSP's
+(``v03.parallelize.amsp_model_spec``, as the ``*_amsp`` config registry entries set it),
+the trainer, before torchtitan's own ``__init__`` (so before any process group):
+resolves the plan once (``titan.validate.job_plan`` on ``v03.job.job_view``), refuses what
+AMSP cannot train on 0.3 in one line (``check_job``), binds the plan to the spec's
+parallelize_fn, and makes the optimizer and metrics components AMSP's. It then runs
+the step of ``titan.steps.AmspSteps``. With any other ModelSpec it is torchtitan's
+Trainer (the baseline of the equivalence tests), optionally initialised like one process
+(``amsp.init_like_single_process``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from ..checkpoint_guard import refuse_misfits
+from ..config import Amsp, AmspConfigError
+from ..rng import STATE_KEY as RNG_KEY
+from ..rng import RngState
+from ..steps import AmspSteps
+from ..units import amsp_plan_of
+from ..validate import job_plan
+from ..weights import reinit_like_single_process
+from .job import job_view
+from .metrics import AmspMetricsProcessor, amsp_metrics_config
+from .optimizer import AmspOptimizersContainer, amsp_optimizer_config
+from .parallelize import bind, is_amsp
+
+
+def check_job(config) -> None:
+    """What AMSP cannot train on torchtitan 0.3, refused as one AmspConfigError line."""
+    if isinstance(config.loss, ChunkedLossWrapper.Config):
+        raise AmspConfigError(
+            "loss=ChunkedLossWrapper: it runs the lm_head chunk by chunk outside the model's "
+            "forward, each chunk with its own backward, which AMSP's [norm, lm_head] unit "
+            "does not schedule; use CrossEntropyLoss (the *_amsp config entries do)")
+    from torchtitan.models.common.moe import MoE
+
+    moe = list(config.model_spec.model.traverse(MoE.Config))
+    if moe:
+        raise AmspConfigError(
+            f"model: {config.model_spec.name} {config.model_spec.flavor} has {len(moe)} MoE "
+            "layers, and AMSP does not shard MoE experts; use a dense flavor")
+    if not config.training.disable_cuda_graphs:
+        raise AmspConfigError(
+            "training.disable_cuda_graphs=False: AMSP allocates and frees its gradient "
+            "buffers each step, which a captured CUDA graph cannot replay; set it to true")
+    if config.parallelism.spmd_backend != "partial_dtensor":
+        raise AmspConfigError(
+            f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: AMSP's units hold "
+            "plain parameters and DTensors of the tensor-parallel dimension only; use "
+            "\"partial_dtensor\"")
+
+
+def prepare(config):
+    """Resolve the plan (once) and make ``config``'s components AMSP's; returns the plan.
+    No-op (None) for a ModelSpec that is not AMSP's."""
+    if not is_amsp(config.model_spec):
+        return None
+    job = job_view(config)
+    check_job(config)
+    plan = job_plan(job)  # validates [amsp] and [parallelism]; kept on config.amsp
+    config.model_spec = bind(config.model_spec, plan, job)
+    if type(config.optimizer) is OptimizersContainer.Config:
+        config.optimizer = amsp_optimizer_config(config.optimizer)
+    elif not isinstance(config.optimizer, AmspOptimizersContainer.Config):
+        raise AmspConfigError(
+            f"optimizer={type(config.optimizer).__qualname__}: AMSP builds its own optimizer "
+            "container; give OptimizersContainer.Config (or AmspOptimizersContainer.Config)")
+    if type(config.metrics) is MetricsProcessor.Config:
+        config.metrics = amsp_metrics_config(config.metrics)
+    return plan
+
+
+class AmspTrainer(AmspSteps, Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        amsp: Amsp = field(default_factory=Amsp)
+        """The [amsp] section: factors or plan = "auto", ranks_per_node, overlap and
+        compression switches (titan/config.py)."""
+
+    def __init__(self, config: Config):
+        self.amsp_plan = None
+        prepare(config)
+        super().__init__(config)
+        self.amsp_plan = amsp_plan_of(self.model_parts[0])
+        amsp_cfg = config.amsp
+        if self.amsp_plan is None and amsp_cfg.init_like_single_process:
+            # plain torch optimizers hold no state before their first step
+            reinit_like_single_process(self.model_parts[0], config.model_spec.model.build,
+                                       config)
+        if self.amsp_plan is not None:
+            self._amsp_overlap(amsp_cfg, amsp_cfg.overlap_param_update)
+            if getattr(self.checkpointer, "enable", False):
+                self.checkpointer.states[RNG_KEY] = RngState()
+                self.checkpointer.dcp_load = refuse_misfits(self.checkpointer.dcp_load)
+            logger.info(f"[amsp] plan {self.amsp_plan.name} on {self.amsp_plan.world_size} "
+                        f"data-parallel ranks ({self.amsp_plan.ranks_per_node} per node)")
+        self._amsp_steps_init()
+
+    def _training_steps(self) -> int:
+        return self.config.training.steps
+
+
+__all__ = ["AmspMetricsProcessor", "AmspOptimizersContainer", "AmspTrainer", "check_job",
+           "prepare"]

@@ -1,0 +1,227 @@
+"""AMSP on torchtitan 0.3 (runs only where torchtitan 0.3 is installed: .ci/titan03.sh).
+
+The reference is torchtitan 0.3's own trainer: the same TOML recipe with ``--model.name
+llama3`` trains with torchtitan's parallelize_llama (FSDP2, and FSDP2 + TP with
+``--parallelism.tensor_parallel_degree 2``), its sharded weights set from one full seeded
+initialisation (``--amsp.init_like_single_process``, as the 0.2.2 tests do: on CPU a
+DTensor's random init depends on the layout). Same seed, same data, fp32, 20 steps.
+
+- equivalence: AMSP (2, 2, 4) against torchtitan's FSDP2 and AMSP (2, 2, 2) x tp 2 against
+  torchtitan's FSDP2 + TP, the loss at every step within 1e-4 relative;
+- checkpoint: both 4-rank runs save at step 10; each is resumed on 2 ranks, torchtitan's
+  under FSDP2 and AMSP's under another plan (1, 1, 2), and steps 11-20 agree within 1e-4
+  (the data loader's position is not resumed: torchtitan 0.3's loader refuses another
+  data-parallel world, so both resumed runs read their shards from the start, the same
+  data for both);
+- TensorBoard holds the AMSP scalars; plan = "auto" trains; per-block compile (aot_eager)
+  gives torchtitan's losses;
+- the TOML maps onto 0.3's config, the config registry entries parse through torchtitan's
+  own ConfigManager, and bad input (a key 0.3 removed, an unknown [amsp] key, a plan that
+  does not divide the world) stops with one line and exit 2 before any process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from amsp_dtensor.titan.version import is_titan03
+from test_titan import REPO, RECIPE, losses, scalars, torchrun
+
+pytestmark = pytest.mark.skipif(not is_titan03(), reason="needs torchtitan 0.3 (.ci/titan03.sh)")
+
+STEPS = 20
+REL_TOL = 1e-4
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+NOT_LOADED = ["--checkpoint.exclude_from_loading", '["dataloader"]']
+BASELINE = ["--model.name", "llama3", "--amsp.init_like_single_process"]
+TP = ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "128"]
+RUN_S = 400
+
+
+def _close(got: list[float], want: list[float], rel: float = REL_TOL) -> list:
+    """The steps (1-based index into the lists) whose losses differ by more than ``rel``."""
+    assert len(got) == len(want), (got, want)
+    return [(i + 1, g, w) for i, (g, w) in enumerate(zip(got, want)) if abs(g - w) > rel * abs(w)]
+
+
+def _plan(s_p: int, s_g: int, s_os: int) -> list[str]:
+    return ["--amsp.param_shard", str(s_p), "--amsp.grad_shard", str(s_g),
+            "--amsp.optim_shard", str(s_os)]
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("fsdp")
+    proc = torchrun([*BASELINE, "--training.steps", str(STEPS), *CKPT], dump, timeout=RUN_S)
+    return dump, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def amsp_224(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("amsp_224")
+    proc = torchrun([*_plan(2, 2, 4), "--training.steps", str(STEPS), *CKPT], dump,
+                    timeout=RUN_S)
+    return dump, proc.stdout + proc.stderr
+
+
+def test_amsp_224_matches_torchtitan_03_fsdp2_at_every_step(fsdp, amsp_224):
+    want, got = losses(fsdp[0]), losses(amsp_224[0])
+    assert "Applied FSDP to the model" in fsdp[1]  # torchtitan 0.3's own apply_fsdp_to_decoder
+    assert "[amsp] plan p2-g2-os4 on 4 ranks (2 per node) (torchtitan 0.3)" in amsp_224[1]
+    assert len(want) == STEPS and want[-1] < want[0] - 1.0  # it trains
+    assert not _close(got, want), (got, want)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("fsdp_tp")
+    torchrun([*BASELINE, *TP, "--training.steps", str(STEPS)], dump, timeout=RUN_S)
+    return dump
+
+
+def test_amsp_222_with_tp_2_matches_torchtitan_03_fsdp2_tp(fsdp_tp, tmp_path):
+    proc = torchrun([*_plan(2, 2, 2), *TP, "--training.steps", str(STEPS)], tmp_path,
+                    timeout=RUN_S)
+    assert ("[amsp] plan p2-g2-os2 on 2 ranks (1 per node) x tensor parallel 2"
+            in proc.stdout + proc.stderr)
+    want, got = losses(fsdp_tp), losses(tmp_path)
+    assert len(want) == STEPS and want[-1] < want[0] - 1.0
+    assert not _close(got, want), (got, want)
+
+
+def _resume(saved, dump, nproc: int, args: list[str]) -> str:
+    shutil.copytree(saved / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
+    proc = torchrun([*args, "--training.steps", str(STEPS), *CKPT, *NOT_LOADED], dump,
+                    nproc=nproc, timeout=RUN_S)
+    return proc.stdout + proc.stderr
+
+
+def test_checkpoint_of_4_ranks_resumes_on_2_ranks_under_another_plan(
+        fsdp, amsp_224, tmp_path_factory):
+    titan = tmp_path_factory.mktemp("fsdp_on_2")
+    _resume(fsdp[0], titan, 2, BASELINE)
+    amsp = tmp_path_factory.mktemp("amsp_on_2")
+    log = _resume(amsp_224[0], amsp, 2, [*_plan(1, 1, 2), "--amsp.ranks_per_node", "1"])
+    assert "[amsp] plan p1-g1-os2 on 2 ranks (1 per node)" in log
+    assert "Loading the checkpoint from" in log and "step-10" in log
+    want, got = scalars(titan)["loss_metrics/global_avg_loss"], scalars(amsp)[
+        "loss_metrics/global_avg_loss"]
+    assert sorted(got) == sorted(want) == list(range(11, STEPS + 1))  # resumed, not restarted
+    before = losses(amsp_224[0])
+    assert got[11] < before[0] - 1.0  # the weights came back (from scratch: ~8.0)
+    steps = sorted(want)
+    assert not _close([got[s] for s in steps], [want[s] for s in steps]), (got, want)
+
+
+def test_tensorboard_has_the_amsp_scalars(amsp_224):
+    tb = scalars(amsp_224[0])
+    for step in range(1, STEPS + 1):
+        assert [tb[f"amsp/{k}"][step] for k in ("s_p", "s_g", "s_os")] == [2, 2, 4]
+        assert tb["comm/all_gather/p/count"][step] > 0
+        assert tb["comm/reduce_scatter/os/bytes"][step] > 0  # the grad shards over s_os = 4
+        assert tb["comm/inter_node_bytes"][step] > 0
+        for state in ("param", "grad", "optim"):
+            assert tb[f"memory_by_state/{state}(MiB)"][step] > 0
+    assert "mfu(%)" not in tb  # CPU: no peak FLOP rate
+
+
+def test_plan_auto_trains(tmp_path):
+    proc = torchrun(["--amsp.plan", "auto", "--amsp.gpu_memory_gib", "1",
+                     "--training.seq_len", "64", "--training.steps", "2"], tmp_path)
+    log = proc.stdout + proc.stderr
+    assert '[amsp] plan = "auto": the planner chose p' in log
+    assert len(losses(tmp_path)) == 2
+
+
+def test_per_block_compile_gives_torchtitans_losses(fsdp, tmp_path):
+    proc = torchrun(["--compile.enable", "--compile.backend", "aot_eager",
+                     "--training.steps", "3"], tmp_path, timeout=RUN_S)
+    assert "Compiling each TransformerBlock with torch.compile" in proc.stdout + proc.stderr
+    got, want = losses(tmp_path), losses(fsdp[0])[:3]
+    assert not _close(got, want), (got, want)
+
+
+# ---- the TOML and the registry, in this process -----------------------------------------
+def test_the_recipe_maps_onto_the_03_config():
+    from amsp_dtensor.titan.v03 import toml_config
+    from amsp_dtensor.titan.v03.optimizer import AmspOptimizersContainer
+    from amsp_dtensor.titan.v03.parallelize import is_amsp
+    from amsp_dtensor.titan.v03.trainer import AmspTrainer
+
+    values, _ = toml_config.read(["--job.config_file", str(RECIPE), "--training.steps", "3"])
+    config = toml_config.build(values)
+    assert isinstance(config, AmspTrainer.Config) and is_amsp(config.model_spec)
+    assert (config.model_spec.name, config.model_spec.flavor) == ("llama3_amsp", "debugmodel")
+    assert (config.amsp.param_shard, config.amsp.grad_shard, config.amsp.optim_shard,
+            config.amsp.ranks_per_node) == (2, 2, 4, 2)
+    t = config.training
+    assert (t.local_batch_size, t.global_batch_size, t.seq_len, t.steps, t.dtype,
+            t.mixed_precision_param) == (2, 16, 256, 3, "float32", "float32")
+    assert isinstance(config.optimizer, AmspOptimizersContainer.Config)
+    (group,) = config.optimizer.param_groups
+    assert (group.optimizer_name, group.optimizer_kwargs["lr"], group.optimizer_kwargs["eps"],
+            config.optimizer.implementation) == ("AdamW", 8e-4, 1e-8, "foreach")
+    assert config.dataloader.dataset_path == "./outputs/amsp_data/corpus"
+    assert config.hf_assets_path == "./outputs/amsp_data/tokenizer"
+    assert config.activation_checkpoint is None and not config.compile.enable
+    assert config.metrics.enable_tensorboard and config.metrics.log_freq == 1
+    assert config.debug.seed == 42 and config.dump_folder == "./outputs/debug_cpu"
+
+
+def test_registry_entries_parse_through_torchtitans_config_manager():
+    from torchtitan.config import ConfigManager
+
+    from amsp_dtensor.titan.v03.config_registry import ENTRIES
+    from amsp_dtensor.titan.v03.parallelize import is_amsp
+
+    config = ConfigManager().parse_args(
+        ["--module", "amsp_dtensor.titan.v03", "--config", "llama3_debugmodel_amsp",
+         "--amsp.param_shard", "2", "--amsp.optim_shard", "full"])
+    assert is_amsp(config.model_spec) and config.model_spec.name == "llama3_amsp"
+    assert (config.amsp.param_shard, config.amsp.optim_shard) == (2, "full")
+    assert {"llama3_debugmodel_amsp", "llama3_8b_amsp", "llama3_70b_amsp"} <= set(ENTRIES)
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--parallelism.disable_loss_parallel", "true"],
+     "amsp_dtensor.train: error: parallelism.disable_loss_parallel: torchtitan 0.3 has no "
+     "such key"),
+    (["--amsp.bogus", "1"], "amsp_dtensor.train: error: amsp.bogus: unknown key in [amsp]"),
+    (["--amsp.optim_shard", "3"],
+     "amsp_dtensor.train: error: amsp.optim_shard=3: does not divide the world size 4"),
+], ids=["removed-key", "unknown-amsp-key", "plan-does-not-divide"])
+def test_bad_input_is_one_line_and_exit_2_before_any_process_group(args, line):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WORLD_SIZE="4",
+               LOCAL_WORLD_SIZE="4", RANK="0")  # no MASTER_ADDR: a process group would fail
+    proc = subprocess.run([sys.executable, "-m", "amsp_dtensor.train", "--job.config_file",
+                           str(RECIPE), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [s for s in proc.stderr.splitlines() if "error" in s.lower()]
+    assert len(errors) == 1 and errors[0].startswith(line), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_plan_is_resolved_once_and_bound_to_the_parallelize_fn(monkeypatch):
+    """The launcher's check and the trainer's (both ``v03.trainer.prepare``) resolve the
+    [amsp] plan once: ShardingPlan.resolve runs once, and the ModelSpec's parallelize_fn
+    carries that same ResolvedPlan object."""
+    from amsp_dtensor.plan import ShardingPlan
+    from amsp_dtensor.titan.v03 import toml_config
+    from amsp_dtensor.titan.v03.trainer import prepare
+
+    calls, real = [], ShardingPlan.resolve
+    monkeypatch.setattr(ShardingPlan, "resolve",
+                        lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    config = toml_config.build(toml_config.read(["--job.config_file", str(RECIPE)])[0])
+    plan = prepare(config)  # the launcher's, before any process group
+    again = prepare(config)  # AmspTrainer.__init__'s
+    assert again is plan and plan.name == "p2-g2-os4" and len(calls) == 1
+    assert config.model_spec.parallelize_fn.keywords["plan"] is plan
