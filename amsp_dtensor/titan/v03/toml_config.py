@@ -150,6 +150,8 @@ def _set(obj, section: str, key: str, value: Any) -> None:
     if key not in names:
         _unknown(section, key)
     current = getattr(obj, key)
+    if isinstance(current, list) and isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]  # 0.2.2's "a,b" lists
     if not _type_ok(current, value):
         raise AmspConfigError(
             f"{section}.{key}={value!r}: must be {type(current).__name__} like 0.3's default "
