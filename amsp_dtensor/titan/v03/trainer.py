@@ -57,6 +57,14 @@ def check_job(config) -> None:
         raise AmspConfigError(
             "training.disable_cuda_graphs=False: AMSP allocates and frees its gradient "
             "buffers each step, which a captured CUDA graph cannot replay; set it to true")
+    if config.parallelism.enable_fsdp_symm_mem:
+        raise AmspConfigError(
+            "parallelism.enable_fsdp_symm_mem=True: a switch of torchtitan's FSDP2 path, "
+            "which AMSP replaces (its collectives run on its own groups); set it to false")
+    if config.compile.enable_async_tensor_parallel:
+        raise AmspConfigError(
+            "compile.enable_async_tensor_parallel=True: async TP is not wired into AMSP's "
+            "tensor-parallel path on torchtitan 0.3; set it to false")
     if config.parallelism.spmd_backend != "partial_dtensor":
         raise AmspConfigError(
             f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: AMSP's units hold "
