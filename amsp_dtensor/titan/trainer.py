@@ -19,35 +19,14 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from .. import compat
-from .dataloader import ReshardableDataloader, checkpoint_keys
+from .dataloader import ReshardableDataloader
+from .reshard_data import dataloader_keys_before_load as _dataloader_keys_before_load
 from .checkpoint_guard import refuse_misfits as _refuse_misfits
 from .rng import STATE_KEY as RNG_KEY
 from .rng import RngState
 from .steps import AmspSteps
 from .parallelize import amsp_plan_of
 from .weights import reinit_like_single_process
-
-
-def _dataloader_keys_before_load(dcp_load, dataloader: ReshardableDataloader):
-    """CheckpointManager.dcp_load, telling the data loader first which of its keys the
-    checkpoint holds.
-
-    [Note: keys a resharded resume may ask for] DCP loads the keys the live state_dict
-    offers and fails on one the checkpoint lacks; a rank the saving run did not have (e.g.
-    rank 5 resuming a 4-rank checkpoint) would offer ``dp_rank_5``. dcp_load is the one
-    place that knows the checkpoint folder before DCP asks the data loader for its keys.
-    """
-
-    def load(state_dict, checkpoint_id, *args, **kwargs):
-        if not any(value is dataloader for value in state_dict.values()):
-            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
-        dataloader.expect_checkpoint(checkpoint_keys(checkpoint_id))
-        try:
-            return dcp_load(state_dict, checkpoint_id, *args, **kwargs)
-        finally:
-            dataloader.expect_checkpoint(None)
-
-    return load
 
 
 def float8_scales_after_step(job_config, parallel_dims) -> bool:

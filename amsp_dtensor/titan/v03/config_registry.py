@@ -2,7 +2,8 @@
 
 Each is torchtitan's own registry function (``llama3_debugmodel``, ``llama3_8b``, ...)
 made AMSP's by ``amsp_config``: an ``AmspTrainer.Config`` with the same settings, the
-ModelSpec's parallelize_fn AMSP's, the AMSP optimizer and metrics components, plain
+ModelSpec's parallelize_fn AMSP's, the AMSP optimizer, metrics and (resumable) text
+data loader components, plain
 cross-entropy for the loss (0.3's chunked loss runs the lm_head outside the model's
 forward, see v03.trainer.check_job), the partial-DTensor SPMD backend and no CUDA graphs
 (AMSP's gradient buffers are allocated and freed each step). The ``amsp``
@@ -24,6 +25,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.models.common.config_utils import decoder_vocab_size
 
 from ..config import Amsp
+from .dataloader import amsp_dataloader_config
 from .metrics import amsp_metrics_config
 from .optimizer import amsp_optimizer_config
 from .parallelize import amsp_model_spec
@@ -44,6 +46,7 @@ def amsp_config(base, amsp: Amsp | None = None) -> AmspTrainer.Config:
         config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
     config.optimizer = amsp_optimizer_config(config.optimizer)
     config.metrics = amsp_metrics_config(config.metrics)
+    config.dataloader = amsp_dataloader_config(config.dataloader)
     config.parallelism.spmd_backend = "partial_dtensor"
     config.training.disable_cuda_graphs = True
     return config

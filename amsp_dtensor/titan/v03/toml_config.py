@@ -8,7 +8,7 @@ cannot take is refused as one AmspConfigError line naming the key and the fix, b
 process group. Keys are not silently dropped: the few that carry no setting in 0.3 are
 accepted only with the value that means nothing there (``job.custom_config_module`` and
 ``experimental.custom_import`` naming amsp_dtensor, which 0.3 needs no plug-in lines for;
-``job.description``, a label, logged).
+``job.description``, a label).
 
 What maps to what (0.2.2 TOML -> 0.3 Trainer.Config):
   [model] name            "llama3_amsp" / "qwen3_amsp": torchtitan's model_registry(flavor)
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KNOWN_KEYS as AMSP_KEYS
-from ..config import Amsp, AmspConfigError
+from ..config import AmspConfigError
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
 PLUGIN_VALUES = {
@@ -150,6 +150,8 @@ def _set(obj, section: str, key: str, value: Any) -> None:
     if key not in names:
         _unknown(section, key)
     current = getattr(obj, key)
+    if isinstance(current, list) and isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]  # 0.2.2's "a,b" lists
     if not _type_ok(current, value):
         raise AmspConfigError(
             f"{section}.{key}={value!r}: must be {type(current).__name__} like 0.3's default "
@@ -306,8 +308,4 @@ def build(values: dict, path: Path | None = None):
     return config
 
 
-def description(values: dict) -> str:
-    return str(values.get("job", {}).get("description", ""))
-
-
-__all__ = ["Amsp", "UsageError", "build", "description", "read"]
+__all__ = ["UsageError", "build", "read"]

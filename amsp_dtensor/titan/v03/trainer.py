@@ -6,7 +6,8 @@ plus the ``amsp`` section (the keys of the TOML ``[amsp]`` table, ``titan.config
 the trainer, before torchtitan's own ``__init__`` (so before any process group):
 resolves the plan once (``titan.validate.job_plan`` on ``v03.job.job_view``), refuses what
 AMSP cannot train on 0.3 in one line (``check_job``), binds the plan to the spec's
-parallelize_fn, and makes the optimizer and metrics components AMSP's. It then runs
+parallelize_fn, and makes the optimizer, metrics and text data loader components AMSP's
+(the loader resumes on another data-parallel world). It then runs
 the step of ``titan.steps.AmspSteps``. With any other ModelSpec it is torchtitan's
 Trainer (the baseline of the equivalence tests), optionally initialised like one process
 (``amsp.init_like_single_process``).
@@ -23,6 +24,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..checkpoint_guard import refuse_misfits
+from ..reshard_data import Reshardable, dataloader_keys_before_load
 from ..config import Amsp, AmspConfigError
 from ..rng import STATE_KEY as RNG_KEY
 from ..rng import RngState
@@ -30,6 +32,7 @@ from ..steps import AmspSteps
 from ..units import amsp_plan_of
 from ..validate import job_plan
 from ..weights import reinit_like_single_process
+from .dataloader import amsp_dataloader_config
 from .job import job_view
 from .metrics import AmspMetricsProcessor, amsp_metrics_config
 from .optimizer import AmspOptimizersContainer, amsp_optimizer_config
@@ -54,6 +57,14 @@ def check_job(config) -> None:
         raise AmspConfigError(
             "training.disable_cuda_graphs=False: AMSP allocates and frees its gradient "
             "buffers each step, which a captured CUDA graph cannot replay; set it to true")
+    if config.parallelism.enable_fsdp_symm_mem:
+        raise AmspConfigError(
+            "parallelism.enable_fsdp_symm_mem=True: a switch of torchtitan's FSDP2 path, "
+            "which AMSP replaces (its collectives run on its own groups); set it to false")
+    if config.compile.enable_async_tensor_parallel:
+        raise AmspConfigError(
+            "compile.enable_async_tensor_parallel=True: async TP is not wired into AMSP's "
+            "tensor-parallel path on torchtitan 0.3; set it to false")
     if config.parallelism.spmd_backend != "partial_dtensor":
         raise AmspConfigError(
             f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: AMSP's units hold "
@@ -78,6 +89,7 @@ def prepare(config):
             "container; give OptimizersContainer.Config (or AmspOptimizersContainer.Config)")
     if type(config.metrics) is MetricsProcessor.Config:
         config.metrics = amsp_metrics_config(config.metrics)
+    config.dataloader = amsp_dataloader_config(config.dataloader)
     return plan
 
 
@@ -103,6 +115,9 @@ class AmspTrainer(AmspSteps, Trainer):
             if getattr(self.checkpointer, "enable", False):
                 self.checkpointer.states[RNG_KEY] = RngState()
                 self.checkpointer.dcp_load = refuse_misfits(self.checkpointer.dcp_load)
+                if isinstance(self.dataloader, Reshardable):
+                    self.checkpointer.dcp_load = dataloader_keys_before_load(
+                        self.checkpointer.dcp_load, self.dataloader)
             logger.info(f"[amsp] plan {self.amsp_plan.name} on {self.amsp_plan.world_size} "
                         f"data-parallel ranks ({self.amsp_plan.ranks_per_node} per node)")
         self._amsp_steps_init()
