@@ -636,6 +636,13 @@ def titan_optimizers_container_init(container, all_params: list, optimizer_kwarg
     container._post_init(all_params, optimizer_kwargs)
 
 
+def titan03_optimizers_container_post_init(container, all_params: list) -> None:
+    """What torchtitan 0.3's OptimizersContainer.__init__ does after building its
+    optimizers: register the parameters for its step hooks and ``torch.optim.Optimizer``
+    bookkeeping (0.3's ``_post_init`` takes the parameters only)."""
+    container._post_init(all_params)
+
+
 def titan_builtin_models() -> frozenset:
     """Names of the model folders torchtitan 0.2.2 ships (``torchtitan.models``)."""
     import torchtitan.models as models

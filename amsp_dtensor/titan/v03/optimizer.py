@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from torchtitan.components.optimizer import OptimizersContainer
 
+from ... import compat
 from ..amsp_optimizers import OPTIMIZER_CLASSES, AmspOptimizers
 from .job import optimizer_of
 
@@ -31,7 +32,7 @@ class AmspOptimizersContainer(AmspOptimizers, OptimizersContainer):
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         all_params = self._build_amsp_optimizers(model_parts, OPTIMIZER_CLASSES[name], kwargs)
-        self._post_init(all_params)
+        compat.titan03_optimizers_container_post_init(self, all_params)
 
 
 def amsp_optimizer_config(config: OptimizersContainer.Config) -> AmspOptimizersContainer.Config:
