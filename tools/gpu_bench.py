@@ -24,6 +24,7 @@ default is the H200's dense bf16 peak, and none on CPU) and the peak memory allo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -87,6 +88,7 @@ def run(args) -> list[dict]:
     rows = []
     for mode in [m for m in args.modes.split(",") if m]:
         for key in [resolve(k, args.world, args.per_node) for k in args.configs.split(",") if k]:
+            gc.collect()  # the previous system's model and optimizer
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
