@@ -119,6 +119,11 @@ def run_test(test, src: Path, work: Path, steps: int, timeout: int, amsp: bool) 
     data = REPO / "outputs" / "amsp_data"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(src)]))
+    # a compile cache of this test's own: the machine-wide one (/tmp/torchinductor_<user>)
+    # served 3d_compile a compiled loss from another job whose functional collectives name
+    # a process group this job never made ("Could not resolve the process group registered
+    # under the name 82"); with a fresh cache it passes
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dump.parent / "inductor_cache"))
     dump.parent.mkdir(parents=True, exist_ok=True)
     total = 0.0
     last = Run("PASS")
