@@ -10,15 +10,19 @@ import time) and is idempotent. What 0.2.2 needed and 0.3 no longer does: nothin
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
 from datetime import timedelta
 
 import torch
 
-from ...compat import device_probe, set_device_probe, set_pg_timeout
-from ..cpu_compat import CpuMemoryMonitor
+from ...compat import set_pg_timeout
+from ..cpu_compat import (  # the shims 0.3 needs exactly as 0.2.2 did
+    CpuMemoryMonitor,
+    _force_cpu_device_probe,
+    _no_gpu_peak_flops_probe,
+    needed,
+)
 
 _applied = False
 
@@ -27,11 +31,6 @@ _applied = False
 TRITON_KERNEL_MODULES = (
     "torchtitan.distributed.minimal_async_ep.kernels",
 )
-
-
-def needed() -> bool:
-    """True when there is no accelerator, i.e. torchtitan would wrongly assume CUDA."""
-    return not torch.accelerator.is_available()
 
 
 def apply() -> bool:
@@ -86,27 +85,7 @@ def _stub_triton_kernels() -> None:
 # (2) torchtitan/tools/utils.py picks `_get_available_device_type() or "cuda"`, so with no
 #     accelerator it picks CUDA and Trainer.__init__ fails on `device_module.set_device`:
 #       AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'
-#     The probe answers "cpu" while that module is imported; torchtitan modules that copied
-#     the wrong values already are fixed up. (Same bug, same shim as 0.2.2's (2).)
-def _force_cpu_device_probe() -> None:
-    original = device_probe()
-
-    @contextlib.contextmanager
-    def _probe_says_cpu():
-        set_device_probe(lambda: original() or "cpu")
-        try:
-            yield
-        finally:
-            set_device_probe(original)
-
-    with _probe_says_cpu():
-        import torchtitan.tools.utils  # noqa: F401  (computes device_type at import)
-
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith("torchtitan") and getattr(mod, "device_type", None) == "cuda":
-            mod.device_type = "cpu"
-            if hasattr(mod, "device_module"):
-                mod.device_module = torch.cpu
+#     Same bug in 0.3: 0.2.2's shim (2), _force_cpu_device_probe, is applied as it is.
 
 
 # (3) components/metrics.py's DeviceMemoryMonitor calls CUDA-only APIs torch.cpu lacks:
@@ -160,18 +139,8 @@ def _pg_timeouts_without_device_ids() -> None:
 
 
 # (6) get_peak_flops runs `lspci` and otherwise assumes an A100 (two warnings per rank):
-#     a CPU's peak is unknown, NaN (as 0.2.2's shim (8)).
-def _no_gpu_peak_flops_probe() -> None:
-    import torchtitan.tools.utils as titan_utils
-
-    original = titan_utils.get_peak_flops
-
-    def get_peak_flops(device_name: str) -> float:
-        if device_name == "cpu":
-            return float("nan")
-        return original(device_name)
-
-    titan_utils.get_peak_flops = get_peak_flops
+#     a CPU's peak is unknown, NaN. Same function in 0.3: 0.2.2's shim (8),
+#     _no_gpu_peak_flops_probe, is applied as it is.
 
 
 # (7) 0.3's llama3 and qwen3 attention is FlexAttention (block-causal over the documents of
