@@ -25,21 +25,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${TORCH_CHECK_VENV:-/tmp/torchcheck-$version}
 py=$venv/bin/python
 
-# A constraint file pinning torch: replaces any constraint the pip configuration sets (one
-# capping torch below VERSION would make the install fail), and keeps torch at VERSION
-# while the package's own requirements are resolved.
-install() {
-  [ -x "$py" ] || python3 -m venv "$venv" || return 1
-  echo "torch==$version" > "$venv/torch-constraint.txt"
-  export PIP_CONSTRAINT=$venv/torch-constraint.txt
-  if ! "$py" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
-    "$py" -m pip install -q "torch==$version" || return 1
-  fi
-  "$py" -m pip install -q -e "$repo[test,bench]" || return 1
-  unset PIP_CONSTRAINT
-}
+source "$repo/.ci/lib.sh"
 
-if ! install; then
+if ! venv_install "$venv" "$version" -e "$repo[test,bench]"; then
   echo "torch $version: install failed" >&2
   exit 1
 fi
@@ -54,14 +42,7 @@ status=0
 cd "$repo"
 modules=${TORCH_CHECK_MODULES:-test_compat test_engine test_titan test_checkpoint test_tensor_parallel}
 for module in $modules; do
-  start=$SECONDS
-  "$py" -m pytest -q -p no:cacheprovider "tests/$module.py" > "$log/$module.txt" 2>&1
-  rc=$?
-  [ "$rc" -eq 0 ] || status=1
-  # pytest's closing line, e.g. "2 failed, 24 passed in 8.1s" (-q prints no ===)
-  tally=$(grep -E "(passed|failed|error|skipped).* in [0-9.]+s" "$log/$module.txt" | tail -1 | tr -d "=" | xargs)
-  echo "$module: ${tally:-no tally (exit $rc)} [$((SECONDS - start)) s]"
-  grep -E '^(FAILED|ERROR) ' "$log/$module.txt" | head -20 | sed 's/^/    /'
+  pytest_tally "$py" "$log/$module.txt" "$module" "tests/$module.py" || status=1
 done
 
 for plan in 2,2,8 1,1,16; do
@@ -71,19 +52,6 @@ for plan in 2,2,8 1,1,16; do
   echo "gpu_check --plan $plan: exit $rc; $(grep '^gpu_check:' "$log/gpu_check_$plan.txt" | head -3 | tr '\n' ' ')"
 done
 
-# The README's main job, in a scratch folder: its outputs/ (data, tokenizer, dump folder)
-# are made there on first run, as in a fresh checkout.
-job=$venv/main_job
-rm -rf "$job" && mkdir -p "$job"
-start=$SECONDS
-(cd "$job" && "$venv/bin/torchrun" --nproc_per_node 4 -m amsp_dtensor.train \
-  --job.config_file "$repo/recipes/debug_cpu.toml") > "$log/main_job.txt" 2>&1
-rc=$?
-[ "$rc" -eq 0 ] || status=1
-# torchtitan colours its log lines: strip the escape codes, then keep "step: N ... loss: X"
-losses=$(sed 's/\x1b\[[0-9;]*m//g' "$log/main_job.txt" \
-  | grep -oE 'step: *[0-9]+ +loss: *[0-9.]+' \
-  | awk '{ if ($2 == 1 || $2 == 10 || $2 == 20) printf "step %s %s  ", $2, $4 }')
-echo "main job: exit $rc [$((SECONDS - start)) s]; losses ${losses:-not found}"
+main_job "$venv" "$repo" "$log/main_job.txt" "main job" || status=1
 echo "logs in $log"
 exit "$status"

@@ -1,11 +1,12 @@
 """What the launchers of both torchtitans share (``amsp_dtensor.train``, and
-``titan.v03.launch`` on torchtitan 0.3): which rank shows the console, how long the other
-ranks wait on a refused config, and the offline data. Imports nothing of torchtitan at
-module level."""
+``titan.v03.launch`` on torchtitan 0.3): which rank shows the console, how a refused config
+ends the job, the plan's log line, the offline data, and the training run itself. Imports
+nothing of torchtitan at module level."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # seconds a rank other than 0 waits before exiting on a refused config (see main)
@@ -16,11 +17,9 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-
 def _shown_rank() -> bool:
     """True on the ranks listed in LOG_RANK (default "0")."""
     return str(_rank()) in {r.strip() for r in os.environ.get("LOG_RANK", "0").split(",")}
-
 
 
 def quiet_other_ranks() -> None:
@@ -35,7 +34,6 @@ def quiet_other_ranks() -> None:
         logger.setLevel(logging.ERROR)
 
 
-
 def prepare_data_at(paths) -> None:
     """Build the offline tokenizer/corpus if any path points into the project's data folder."""
     from amsp_dtensor.data import DEFAULT_ROOT, ensure_assets, set_hf_home
@@ -46,3 +44,53 @@ def prepare_data_at(paths) -> None:
         ensure_assets(DEFAULT_ROOT)
 
 
+def refuse(error: Exception) -> int:
+    """A refused config: rank 0 prints the one line, every rank exits 2 (before any process
+    group exists)."""
+    if _rank() == 0:
+        print(f"amsp_dtensor.train: error: {error}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every rank once one has exited: the others wait, so rank 0
+        # (which checked the same config) has printed the line before it is stopped
+        import time
+
+        time.sleep(REFUSAL_GRACE_S)
+    return 2
+
+
+def log_plan(plan, tp: int, version_note: str = "") -> None:
+    """``[amsp] plan p2-g2-os4 on 4 ranks (2 per node) x tensor parallel 2``, on the shown rank."""
+    from torchtitan.tools.logging import logger
+
+    under_tp = f" x tensor parallel {tp}" if tp > 1 else ""
+    logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
+                f"({plan.ranks_per_node} per node){under_tp}{version_note}")
+
+
+def run_trainer(build) -> int:
+    """The body of torchtitan.train.main with the trainer ``build()`` returns: train, close
+    the trainer, destroy the process group. Exit code 2 when a checkpoint does not match the
+    job (every rank raises it before any collective of the load), else 0."""
+    import torch
+
+    from torchtitan.tools.logging import logger
+
+    from amsp_dtensor.checkpoint import CheckpointMismatch
+
+    trainer = None
+    try:
+        try:
+            trainer = build()
+            trainer.train()
+        finally:
+            if trainer is not None:
+                trainer.close()
+    except CheckpointMismatch as e:
+        print(f"[rank{_rank()}] amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return 2
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")
+    return 0

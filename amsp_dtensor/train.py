@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import sys
 
-from amsp_dtensor.launching import (REFUSAL_GRACE_S, _rank, _shown_rank,  # noqa: F401
-                                    prepare_data_at, quiet_other_ranks)
+from amsp_dtensor.launching import (_rank, _shown_rank, log_plan, prepare_data_at,
+                                    quiet_other_ranks, refuse, run_trainer)
 
 CONFIG_MODULE = "amsp_dtensor.titan.config"
 CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
@@ -90,6 +90,30 @@ NEVER_SHOWN_WARNINGS = (
     r"'set_vital' is deprecated",
 )
 
+# Log records (logger name, text in the message) that never concern a job, hidden the same
+# way. The second group only where no CUDA device exists.
+NEVER_SHOWN_LOGS = (
+    # torch 2.13's pytree registry, at torchao's import (torchtitan 0.3 imports it with its
+    # config): torchao registers Enum types that torch now supports natively; a note to
+    # torchao's authors.
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+)
+NO_CUDA_HIDDEN_LOGS = (
+    # torchao's CUDA kernel libraries (mxfp8, cutlass) cannot load without CUDA; the float8
+    # training path AMSP supports does not use them.
+    ("torchao", "Failed to load "),
+)
+
+
+class _HiddenLog:
+    """A logging filter dropping the records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
 
 def quiet_warnings() -> None:
     """Python warnings: once per job, not once per rank.
@@ -97,13 +121,20 @@ def quiet_warnings() -> None:
     [Note: one console, many ranks] torchrun interleaves every rank's output, so each
     warning would print once per rank. Only the ranks in LOG_RANK (default "0"; torchtitan's
     run_train.sh has torchrun's --local-ranks-filter for this) show Python warnings; every
-    rank still raises and prints its errors. Warnings that never concern a job
-    (NEVER_SHOWN_WARNINGS) are hidden everywhere. Runs before anything imports torchtitan.
+    rank still raises and prints its errors. Warnings and log records that never concern a
+    job (NEVER_SHOWN_WARNINGS, NEVER_SHOWN_LOGS, and NO_CUDA_HIDDEN_LOGS on machines without
+    CUDA) are hidden everywhere. Runs before anything imports torchtitan.
     """
+    import logging
     import warnings
+
+    import torch
 
     for message in NEVER_SHOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
+    hidden = NEVER_SHOWN_LOGS + (() if torch.cuda.is_available() else NO_CUDA_HIDDEN_LOGS)
+    for name, text in hidden:
+        logging.getLogger(name).addFilter(_HiddenLog(text))
     if not _shown_rank():
         warnings.simplefilter("ignore")
 
@@ -147,24 +178,11 @@ def check_amsp(job_config, amsp_given: bool = False):
     return plan
 
 
-def run(job_config) -> None:
-    """The body of torchtitan.train.main, with AmspTrainer."""
-    import torch
-
-    from torchtitan.tools.logging import logger
-
+def run(job_config) -> int:
+    """The body of torchtitan.train.main, with AmspTrainer (exit code: launching.run_trainer)."""
     from amsp_dtensor.titan.trainer import AmspTrainer
 
-    trainer = None
-    try:
-        trainer = AmspTrainer(job_config)
-        trainer.train()
-    finally:
-        if trainer is not None:
-            trainer.close()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    logger.info("Process group destroyed")
+    return run_trainer(lambda: AmspTrainer(job_config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from amsp_dtensor.titan import cpu_compat
 
     cpu_compat.apply()
-    from torchtitan.tools.logging import init_logger, logger
+    from torchtitan.tools.logging import init_logger
 
     from amsp_dtensor.titan.validate import AmspConfigError
 
@@ -190,33 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         job_config, amsp_given = read_job_config(argv)
         plan = check_amsp(job_config, amsp_given)
     except (AmspConfigError, UsageError) as e:
-        if _rank() == 0:
-            print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
-        elif "TORCHELASTIC_RUN_ID" in os.environ:
-            # torchrun stops every rank once one has exited: the others wait, so rank 0
-            # (which checked the same config) has printed the line before it is stopped
-            import time
-
-            time.sleep(REFUSAL_GRACE_S)
-        return 2
+        return refuse(e)
     if plan is not None:
-        tp = job_config.parallelism.tensor_parallel_degree
-        under_tp = f" x tensor parallel {tp}" if tp > 1 else ""
-        logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
-                    f"({plan.ranks_per_node} per node){under_tp}")
+        log_plan(plan, job_config.parallelism.tensor_parallel_degree)
     prepare_data(job_config)
-    from amsp_dtensor.checkpoint import CheckpointMismatch
-
-    try:
-        run(job_config)
-    except CheckpointMismatch as e:  # every rank reaches it before any collective of the load
-        print(f"[rank{_rank()}] amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
-        import torch
-
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        return 2
-    return 0
+    return run(job_config)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 
 from test_titan import _main as run_main, losses, save_seed_checkpoint, torchrun
 
-STEPS = 10
+STEPS = 5
 REL_TOL = 1e-4
 PP_ARGS = ["--parallelism.pipeline_parallel_degree", "2",
            "--training.local_batch_size", "4", "--training.global_batch_size", "-1",

@@ -176,17 +176,23 @@ def _cpu_memory_monitor() -> None:
 #     libtorch_cpu builds).
 def _fsdp_sum_reduction_for_gloo() -> None:
     import torchtitan.models.llama3.infra.parallelize as llama_par
+
+    llama_par.disable_fsdp_gradient_division = with_force_sum_reduction(
+        llama_par.disable_fsdp_gradient_division)
+
+
+def with_force_sum_reduction(disable_fsdp_gradient_division):
+    """``disable_fsdp_gradient_division`` followed by FSDP2's force-sum switch on every FSDP
+    module it saw (shim (4), shared with torchtitan 0.3's shims)."""
     from torch.distributed.fsdp import FSDPModule
 
-    original = llama_par.disable_fsdp_gradient_division
-
-    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
-        original(model)
+    def wrapped(model: torch.nn.Module) -> None:
+        disable_fsdp_gradient_division(model)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
 
-    llama_par.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+    return wrapped
 
 
 # (5) After step 1, Trainer.train calls dist_utils.set_pg_timeouts, which does

@@ -18,10 +18,11 @@ import torch
 
 from ...compat import set_pg_timeout
 from ..cpu_compat import (  # the shims 0.3 needs exactly as 0.2.2 did
-    CpuMemoryMonitor,
+    _cpu_memory_monitor,
     _force_cpu_device_probe,
     _no_gpu_peak_flops_probe,
     needed,
+    with_force_sum_reduction,
 )
 
 _applied = False
@@ -90,11 +91,7 @@ def _stub_triton_kernels() -> None:
 
 # (3) components/metrics.py's DeviceMemoryMonitor calls CUDA-only APIs torch.cpu lacks:
 #       AttributeError: module 'torch.cpu' has no attribute 'get_device_name'
-#     0.2.2's resident-memory monitor stands in (same interface in 0.3).
-def _cpu_memory_monitor() -> None:
-    import torchtitan.components.metrics as metrics
-
-    metrics.build_device_memory_monitor = CpuMemoryMonitor
+#     0.2.2's shim (3), its resident-memory monitor, is applied as it is (same interface).
 
 
 # (4) distributed/fsdp.py's disable_fsdp_gradient_division sets the divide factor 1.0 on
@@ -104,21 +101,13 @@ def _cpu_memory_monitor() -> None:
 #     torchtitan FSDP baseline; the AMSP engine chooses its own reduce ops.
 def _fsdp_sum_reduction_for_gloo() -> None:
     import torchtitan.distributed.fsdp as titan_fsdp
-    from torch.distributed.fsdp import FSDPModule
 
     original = titan_fsdp.disable_fsdp_gradient_division
-
-    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
-        original(model)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-
-    titan_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
-    for mod_name, mod in list(sys.modules.items()):
+    wrapped = with_force_sum_reduction(original)
+    for mod_name, mod in list(sys.modules.items()):  # the module and those that imported it
         if mod_name.startswith("torchtitan") and getattr(
                 mod, "disable_fsdp_gradient_division", None) is original:
-            mod.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+            mod.disable_fsdp_gradient_division = wrapped
 
 
 # (5) After step 1 Trainer.train calls dist_utils.set_pg_timeouts, which runs

@@ -14,16 +14,10 @@ loop with the AmspTrainer.
 
 from __future__ import annotations
 
-import os
-import sys
-
+from ...launching import _rank
 from . import cpu_compat
 
 cpu_compat.apply()
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def load_config(argv: list[str]):
@@ -65,41 +59,21 @@ def main(argv: list[str]) -> int:
         config, amsp_given = load_config(argv)
         plan = prepare(config)  # the AMSP checks and the plan, before any process group
     except AmspConfigError as e:
-        if _rank() == 0:
-            print(f"amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
-        elif "TORCHELASTIC_RUN_ID" in os.environ:
-            import time
-
-            time.sleep(launcher.REFUSAL_GRACE_S)  # rank 0 prints the line first
-        return 2
+        return launcher.refuse(e)
     if plan is not None:
-        tp = config.parallelism.tensor_parallel_degree
-        under_tp = f" x tensor parallel {tp}" if tp > 1 else ""
-        logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
-                    f"({plan.ranks_per_node} per node){under_tp} (torchtitan 0.3)")
+        launcher.log_plan(plan, config.parallelism.tensor_parallel_degree, " (torchtitan 0.3)")
     elif amsp_given and not config.amsp.init_like_single_process and _rank() == 0:
         logger.warning(f"model {config.model_spec.name} uses torchtitan's own parallelism; the "
                        "[amsp] settings are not used (for AMSP: model.name <name>_amsp)")
     assert plan is None or is_amsp(config.model_spec)
     launcher.prepare_data_at([config.hf_assets_path,
                               getattr(config.dataloader, "dataset_path", None)])
-    run(config)
-    return 0
+    return run(config)
 
 
-def run(config) -> None:
-    """The body of torchtitan.train.main, with the AmspTrainer ``config`` builds."""
-    import torch
+def run(config) -> int:
+    """The body of torchtitan.train.main, with the AmspTrainer ``config`` builds (exit code:
+    launching.run_trainer)."""
+    from ... import launching as launcher
 
-    from torchtitan.tools.logging import logger
-
-    trainer = None
-    try:
-        trainer = config.build()
-        trainer.train()
-    finally:
-        if trainer is not None:
-            trainer.close()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    logger.info("Process group destroyed")
+    return launcher.run_trainer(config.build)
