@@ -18,9 +18,8 @@
 #      launcher module) on 4 CPU ranks, 5 steps, with the CPU shims of
 #      amsp_dtensor/titan/v03/cpu_compat.py: the fact that 0.3 itself trains here.
 # --subset runs only the part of (1) that the main suite runs through
-# tests/test_titan03_venv.py (the two equivalence tests against torchtitan 0.3's trainer at
-# 5 steps,
-# the TensorBoard scalars, the TOML mapping, one refusal, the plan resolved once).
+# tests/test_titan03_venv.py: AMSP (2, 2, 2) x tp 2 against torchtitan 0.3's FSDP2 + TP at 5
+# steps, the TOML mapping, one refusal, the plan resolved once.
 # Exit 0 when all pass. Wall time on 2 CPU cores: see docs/torchtitan.md ("torchtitan 0.3").
 set -uo pipefail
 
@@ -28,7 +27,7 @@ mode=${1:-}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${TITAN03_VENV:-/tmp/venv-titan03-$(printf %s "$repo" | cksum | cut -d' ' -f1)}
 py=$venv/bin/python
-SUBSET="matches_torchtitan_03 or tensorboard or maps_onto or (bad_input and divide) or resolved_once"
+SUBSET="with_tp_2_matches_torchtitan_03 or maps_onto or (bad_input and divide) or resolved_once"
 
 source "$repo/.ci/lib.sh"
 

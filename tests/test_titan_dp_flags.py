@@ -300,7 +300,7 @@ def test_no_process_group_before_a_refusal(monkeypatch, capsys):
 
     started = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: started.append(a))
-    monkeypatch.setattr(train, "run", lambda job_config: started.append("run"))
+    monkeypatch.setattr(train, "run", lambda job_config: started.append("run") or 0)
     code, _ = _main(RECIPE, ["--optimizer.early_step_in_backward"], monkeypatch, capsys)
     assert code == 2 and started == []
     code, _ = _main(RECIPE, [], monkeypatch, capsys)  # the same job, accepted, would start
