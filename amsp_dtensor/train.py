@@ -52,7 +52,7 @@ def read_job_config(argv: list[str]):
     from torchtitan.config import ConfigManager
 
     from amsp_dtensor import compat
-    from amsp_dtensor.titan.validate import check_toml_keys
+    from amsp_dtensor.titan.validate import check_amsp_flags, check_toml_keys
 
     manager = ConfigManager()
     try:
@@ -62,6 +62,7 @@ def read_job_config(argv: list[str]):
     except Exception as e:  # tomllib.TOMLDecodeError
         raise UsageError(f"job.config_file: not valid TOML: {e}") from None
     check_toml_keys(toml_values)
+    check_amsp_flags(argv)
     # Make the offline data before torchtitan's config check looks for the tokenizer folder.
     toml_paths = ((toml_values or {}).get("model", {}).get("hf_assets_path"),
                   (toml_values or {}).get("training", {}).get("dataset_path"))

@@ -274,6 +274,8 @@ def _main(argv, monkeypatch, capsys, world=4, local=2, rank=0, toml=RECIPE):
         ([], 6, "amsp.optim_shard=4: does not divide the world size 6"),
         (["--amsp.ranks_per_node", "3"], 4, "amsp.ranks_per_node=3: the world size 4"),
         (["--amsp.plan", "best"], 4, "amsp.plan='best':"),
+        (["--amsp.param_shards", "2"], 4, "amsp.param_shards: unknown key in [amsp]; known keys: "),
+        (["--amsp.no-overlap-grad-syncs"], 4, "amsp.no-overlap-grad-syncs: unknown key in [amsp]"),
         (["--amsp.reshard_after_forward", "3"], 4, "amsp.reshard_after_forward=3:"),
         (["--amsp.compress_grads", "fp8"], 4,
          "amsp.compress_grads='fp8': use one of bf16, int8, or \"\" to send grads exactly"),

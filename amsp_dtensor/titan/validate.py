@@ -34,6 +34,19 @@ def check_toml_keys(toml_values: dict[str, Any] | None) -> None:
             )
 
 
+def check_amsp_flags(argv: list[str]) -> None:
+    """Unknown ``--amsp.<key>`` flags on the command line (tyro would print a box of help
+    instead of one line). tyro spells a key with ``_`` or ``-``, a false bool as ``no-``."""
+    for arg in argv:
+        if not arg.startswith("--amsp."):
+            continue
+        flag = arg.split("=", 1)[0][len("--amsp."):]
+        key = flag.replace("-", "_")
+        if key not in KNOWN_KEYS and not (key.startswith("no_") and key[3:] in KNOWN_KEYS):
+            raise AmspConfigError(
+                f"amsp.{flag}: unknown key in [amsp]; known keys: {', '.join(KNOWN_KEYS)}")
+
+
 def world_from_env() -> tuple[int, int]:
     """(world size, ranks per node) as torchrun exports them; (1, 1) outside torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
