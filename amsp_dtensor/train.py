@@ -47,6 +47,7 @@ def parse_job_config(argv: list[str]):
 def read_job_config(argv: list[str]):
     """(the JobConfig, whether [amsp] keys were given in the TOML or on the command line)."""
     import importlib
+    import logging
 
     import amsp_dtensor.titan  # noqa: F401  (CPU shims, the AMSP TrainSpecs)
     from torchtitan.config import ConfigManager
@@ -55,12 +56,18 @@ def read_job_config(argv: list[str]):
     from amsp_dtensor.titan.validate import check_amsp_flags, check_toml_keys
 
     manager = ConfigManager()
+    titan_log = logging.getLogger()  # torchtitan's logger
+    level = titan_log.level
+    # torchtitan logs the traceback of a file it cannot read; the one line below says it
+    titan_log.setLevel(logging.CRITICAL)
     try:
         toml_values = compat.titan_load_toml(manager, argv)
     except FileNotFoundError as e:
         raise UsageError(f"job.config_file: {e}") from None
     except Exception as e:  # tomllib.TOMLDecodeError
         raise UsageError(f"job.config_file: not valid TOML: {e}") from None
+    finally:
+        titan_log.setLevel(level)
     check_toml_keys(toml_values)
     check_amsp_flags(argv)
     # Make the offline data before torchtitan's config check looks for the tokenizer folder.
