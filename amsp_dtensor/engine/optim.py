@@ -455,11 +455,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
           have completed meanwhile (``RootState.unit_sync_done``), which never blocks.
 
         With halving batches the update left after the last collective lands is a small
-        tail (about 1/8 of the elements for equal units, which is what is not overlapped),
-        while earlier batches overlap the later collectives; when those are slow (the
-        replica all-reduce crosses nodes) that is most of the per-unit overlap, at a
-        constant number of calls instead of one per unit. ``set_overlap(step=False)``
-        steps once after every collective has landed."""
+        tail (what is not overlapped: for equal units one unit up to 15 of them, as with a
+        call per unit, and about an eighth of the elements beyond), while earlier batches
+        overlap the later collectives; when those are slow (the replica all-reduce crosses
+        nodes) that is most of the per-unit overlap, at a constant number of calls instead
+        of one per unit. ``set_overlap(step=False)`` steps once after every collective
+        has landed."""
         return (self._root.overlap.step
                 and self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
 
