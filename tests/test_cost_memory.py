@@ -168,18 +168,21 @@ def test_step_bytes_by_hand():
     sb = step_bytes(m, rp, "bf16")
     assert sb.synced_grad == 2 * phi // 8  # synced G is the OS shard (bf16)
     assert sb.gather == 2 * (1 + 8) * phi // 8  # send buffer + output, every unit
-    assert sb.scratch == 0  # one unit's work (8*OS_u) is less than its send (18*OS_u)
+    assert sb.scratch == 0  # one call over every unit (8*OS) is less than the sends (18*OS)
     assert sb.staging == 0
     gloo = step_bytes(m, rp, "bf16", backend="gloo")
     two_largest = sorted((2 * 8 * o for o in unit_os), reverse=True)[:2]
     assert gloo.staging == sum(two_largest)
-    # s_os = s_p: no all-gather; the scratch of the largest unit (fp32 grad + temporary)
+    # s_os = s_p: no all-gather; at worst one call steps every unit (after clip, or when
+    # every collective has completed): fp32 master grads + AdamW's temporary, 8 per element
     same = step_bytes(m, ShardingPlan(8, 8, 8).resolve(64, 8), "bf16")
-    assert same.gather == 0 and same.scratch == 8 * max(unit_os)
+    assert same.gather == 0 and same.scratch == 8 * sum(unit_os) == 8 * phi // 8
     assert same.synced_grad == 2 * phi // 8
-    # clip builds every fp32 master grad first
     clipped = step_bytes(m, ShardingPlan(8, 8, 8).resolve(64, 8), "bf16", clip=True)
-    assert clipped.scratch == 4 * phi // 8 + 4 * max(unit_os)
+    assert clipped == same
+    # bf16 with k_os = 2: 6 bytes of all-gather buffers per element, less than a call's 8
+    two = step_bytes(m, ShardingPlan(4, 4, 8).resolve(64, 8), "bf16")
+    assert two.gather == 2 * 3 * phi // 8 and two.gather + two.scratch == 8 * phi // 8
     # the estimate takes the larger phase; with activations the backward one wins here
     est = estimate_memory(m, rp, 4096, 1, "bf16")
     assert est.step == sb.total

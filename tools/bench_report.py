@@ -33,6 +33,13 @@ _SECTION = re.compile(r"<!-- (frontier-(\d+)x(\d+)(-\w+|)|overlap|compression):b
                       r"<!-- \1:end -->", re.S)
 DEFAULT_HEADER = "# Benchmarks"  # a new document's; an existing one keeps its own
 
+# how far a cap's ratio moves between runs, said beside each sweep's load average
+LOAD_NOTE = (" At such loads a cap's ratio (AMSP's best over the best other system) moves "
+             "between runs of the same command by about a tenth (dropping one of the 4x2 "
+             "sweep's three repetitions moved it by a median 12% per cap; the host-time "
+             "ratios of docs/performance.md move by 0.03-0.06x between runs of unchanged "
+             "code), so ratios within about 10% of 1.00x are ties.")
+
 
 def scale_tag(meta: dict) -> str:
     """"2x2" for 2 nodes x 2 ranks at 1gbit (or unshaped), "2x2-200mbit" at another rate."""
@@ -404,7 +411,7 @@ def section(data: dict, command: str, png_name: str) -> str:
         parts.append(f"- 1-minute load average at the start and end of each process set: "
                      f"{', '.join(f'{x:.1f}' for x in meta['loadavg'])} (the sweep's own ranks "
                      "and gloo's per-group polling threads count in it, so compare it with an "
-                     "idle run of the same command rather than with the 2 cores).")
+                     "idle run of the same command rather than with the 2 cores)." + LOAD_NOTE)
     if meta.get("incomplete"):
         parts.append("- Stopped by the timeout, results so far: " + "; ".join(meta["incomplete"])
                      + ".")

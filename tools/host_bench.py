@@ -17,7 +17,7 @@ Configurations (``--configs``, comma separated; W = world, S = ranks per node):
 ``amsp:<plan>[+int8][+opu]``: AMSP at a plan name (``pW-gW-osW`` is FSDP2's schedule,
 ``pS-gS-osS`` HSDP's), ``+int8`` int8 gradients and bf16 weights across nodes
 (``amsp.set_compression``), ``+opu`` ``overlap_param_update=True``, ``+nostep`` ``amsp.set_overlap(step=False)`` (one
-optimizer step once every gradient has landed, instead of per unit as they land). Every system gets the
+optimizer step once every gradient has landed, instead of in batches as they land). Every system gets the
 same explicit prefetch (the next unit in forward, the previous in backward) and torch
 AdamW (foreach); AMSP's masters are views of the fp32 params. ``--modes eager,compiled``:
 compiled is per-block ``torch.compile`` (before sharding, as torchtitan does).

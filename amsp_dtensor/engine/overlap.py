@@ -10,9 +10,10 @@ Four overlaps, each with its own switch so that its effect can be measured alone
   in backward. On CPU, where FSDP2 has no streams, the all-gathers are also made async
   (only then does a prefetched all-gather run while the current unit computes); on CUDA
   FSDP2's own streams overlap them. Off: FSDP2's defaults (implicit backward prefetch).
-- ``step`` (model): per-unit optimizer step for elementwise optimizers (optim.py): each
-  unit is updated as soon as its gradients have landed and its post-step all-gather is
-  issued right after. Off: the whole step, then every all-gather.
+- ``step`` (model): per-unit optimizer step for elementwise optimizers (optim.py's
+  [Note: per-unit step]): the units are updated in a few batches, in issue order, each
+  as soon as its own gradients have landed, and their post-step all-gathers are issued
+  right after. Off: the whole step, then every all-gather.
 - ``param_update`` (``AMSPOptimizer(overlap_param_update=...)``, off by default): the
   post-step all-gathers are left in flight and land in the next forward.
 
@@ -38,7 +39,7 @@ class Overlap:
 
     grad_sync: bool = True  # each gradient stage issued as soon as its input is ready
     prefetch: bool = True  # explicit FSDP2 prefetch of the next unit's all-gather
-    step: bool = True  # per-unit optimizer step, each unit's all-gather right after it
+    step: bool = True  # step batches of units as their gradients land, all-gathers after each
     # AMSPOptimizer(overlap_param_update=...): post-step all-gathers land in the next forward
     param_update: bool = False
 

@@ -59,9 +59,10 @@ class Amsp:
     (async all-gathers on CPU). False: FSDP2's defaults (amsp.set_overlap(prefetch=))."""
 
     overlap_step: bool = True
-    """True: elementwise optimizers step unit by unit, each as soon as its gradients have
-    landed, and start its post-step all-gather right away (amsp.set_overlap(step=)); with
-    gradient clipping on the norm still needs every gradient first."""
+    """True: elementwise optimizers step the units in a few batches, each as soon as its
+    gradients have landed, and start their post-step all-gathers right away
+    (amsp.set_overlap(step=)); with gradient clipping on the norm still needs every
+    gradient first."""
 
     compress_grads: str = ""
     """"" = exact; "bf16" or "int8": the gradient stages whose group spans nodes (the

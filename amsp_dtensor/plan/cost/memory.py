@@ -452,17 +452,22 @@ def step_bytes(
     """What one rank holds beyond P and OS at the peak of the optimizer step.
 
     [Note: the step's peak] ``AMSPOptimizer.step()`` with AdamW-like optimizers steps the
-    units one at a time (optim.py): for unit u it builds fp32 master grads from the synced
-    G (4*OS_u) and the optimizer's scratch (foreach AdamW: one fp32 temporary of the
-    master's size, 4*OS_u), updates, frees both, and, when s_os > s_p, issues the
-    post-step all-gather over the OS subgroup: a send buffer of OS_u and its output of
-    k_os*OS_u elements in the param dtype, alive until the update lands (at the end of
-    step(), or in the next forward with overlap_param_update). So at the step's end every
-    unit's all-gather buffers are alive together, beside every unit's synced G (freed
-    by zero_grad). With clip_grad_norm_ every master grad is built before the first
-    update. OS_u, G_u: slot elements as in backward_peak.unit_sizes; the order the units
-    step in is not modelled (the bound takes the worst unit as the last one). backend
-    "gloo" adds its staging buffers (Note above)."""
+    units in a few calls of the wrapped optimizer (optim.py's [Note: per-unit step]): for
+    the units of one call it builds fp32 master grads from the synced G (4*OS_u each) and
+    the optimizer's scratch (foreach AdamW: one fp32 temporary of the master's size,
+    4*OS_u), updates, frees both, and, when s_os > s_p, issues each unit's post-step
+    all-gather over the OS subgroup: a send buffer of OS_u and its output of k_os*OS_u
+    elements in the param dtype, alive until the update lands (at the end of step(), or
+    in the next forward with overlap_param_update). So at the step's end every unit's
+    all-gather buffers are alive together, beside every unit's synced G (freed by
+    zero_grad). Which units share a call depends on which collectives have completed
+    (after clip_grad_norm_, or when all have, one call steps every unit), so the bound
+    takes the worst: a call over the units from some point of the issue order to the end,
+    after the earlier units' all-gathers were issued. With c bytes of all-gather buffers
+    per OS element, that is c*(earlier) + 8*(the rest), at most max(c, 8) * sum(OS_u):
+    the end of the step (every all-gather alive) or one call over every unit. OS_u, G_u:
+    slot elements as in backward_peak.unit_sizes. backend "gloo" adds its staging
+    buffers (Note above). ``clip`` is kept for callers: the bound already covers it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
     e = _dtype_bytes(mixed_precision)
@@ -471,11 +476,8 @@ def step_bytes(
     k_os = plan.s_os // plan.s_p
     synced_g = r * sum(synced_grad_elements(s, plan) for s in sizes)
     sends = [e * (1 + k_os) * s.os if k_os > 1 else 0 for s in sizes]
-    work = [8 * s.os for s in sizes]
     gather = sum(sends)
-    held = max(gather, *(gather - send + w for send, w in zip(sends, work)))
-    if clip:
-        held = max(held, 4 * sum(s.os for s in sizes) + 4 * max(s.os for s in sizes))
+    held = max(gather, 8 * sum(s.os for s in sizes))  # Note above: one call over every unit
     staging = 0
     if backend == "gloo" and k_os > 1:
         outputs = sorted((e * k_os * s.os for s in sizes), reverse=True)
