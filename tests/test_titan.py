@@ -88,6 +88,9 @@ def test_debug_recipe_trains_and_loss_falls(debug_run):
     assert len(curve) == 3
     assert curve[-1] < curve[0] - 0.2, curve  # measured: 8.14 -> 7.44 in 3 steps
     assert "plan p2-g2-os4 on 4 ranks (2 per node)" in proc.stdout + proc.stderr
+    # every overlap on by default (test_titan_equivalence switches them off by flags)
+    assert ("AMSP Overlap(grad_sync=True, prefetch=True, step=True, "
+            "param_update=True)") in proc.stdout + proc.stderr
 
 
 def test_tensorboard_holds_the_scalars(debug_run):

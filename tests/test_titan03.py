@@ -13,8 +13,9 @@ DTensor's random init depends on the layout). Same seed, same data, fp32, 20 ste
   (without the data loader's position: torchtitan 0.3's own loader refuses another
   data-parallel world, so both resumed runs read their shards from the start, the same
   data for both); AMSP's loader also resumes with its position (close losses, 5%);
-- TensorBoard holds the AMSP scalars; plan = "auto" trains; per-block compile (aot_eager)
-  gives torchtitan's losses;
+- TensorBoard holds the AMSP scalars; under int8 gradients a resumed job restores the
+  error-feedback residuals; plan = "auto" trains; per-block compile (aot_eager) gives
+  torchtitan's losses;
 - the TOML maps onto 0.3's config, the config registry entries parse through torchtitan's
   own ConfigManager, and bad input (a key 0.3 removed, an unknown [amsp] key, a plan that
   does not divide the world) stops with one line and exit 2 before any process group.
@@ -155,6 +156,28 @@ def test_tensorboard_has_the_amsp_scalars(amsp_224):
         for state in ("param", "grad", "optim"):
             assert tb[f"memory_by_state/{state}(MiB)"][step] > 0
     assert "mfu(%)" not in tb  # CPU: no peak FLOP rate
+
+
+def test_compressed_resume_restores_the_error_feedback_residuals(tmp_path_factory):
+    """Under int8 gradients on 0.3: a job saving at step 4, and a fresh job resumed from
+    that checkpoint, have the same residual norm and loss at step 5 (residuals restarted
+    from zero would hold step 5's leftover alone, not what steps 1-5 left)."""
+    compressed = [*_plan(2, 2, 4), "--amsp.compress_grads", "int8", "--training.steps", "5",
+                  "--checkpoint.enable", "--checkpoint.interval", "4"]
+    first = tmp_path_factory.mktemp("compressed")
+    torchrun(compressed, first, timeout=RUN_S)
+    resumed = tmp_path_factory.mktemp("compressed_resumed")
+    shutil.copytree(first / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    proc = torchrun(compressed, resumed, timeout=RUN_S)
+    log = proc.stdout + proc.stderr
+    assert "Loading the checkpoint from" in log and "error-feedback residuals" not in log, log
+    want, got = scalars(first), scalars(resumed)
+    assert sorted(got["amsp/residual_norm"]) == [5] and 5 in want["amsp/residual_norm"]
+    mine, uninterrupted = got["amsp/residual_norm"][5], want["amsp/residual_norm"][5]
+    assert mine > 0 and abs(mine - uninterrupted) <= 1e-6 * uninterrupted, (mine, uninterrupted)
+    loss, want_loss = (got["loss_metrics/global_avg_loss"][5],
+                       want["loss_metrics/global_avg_loss"][5])
+    assert abs(loss - want_loss) <= 1e-6, (loss, want_loss)
 
 
 def test_plan_auto_trains(tmp_path):

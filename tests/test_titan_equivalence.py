@@ -56,19 +56,6 @@ def test_amsp_loss_curve_matches_torchtitan_fsdp(plan, baseline, tmp_path, reque
         assert abs(got - want) <= REL_TOL * abs(want), (step, got, want, curve, baseline)
 
 
-def test_overlaps_off_give_the_same_losses_bit_for_bit(features, tmp_path):
-    """The recipe's run (the feature tests' first) again with every overlap switched off
-    in [amsp]: the same losses, to the last bit, as with every overlap on."""
-    proc = torchrun(FEATURES_FIRST + [
-        "--amsp.no-overlap-grad-sync", "--amsp.no-overlap-prefetch",
-        "--amsp.no-overlap-step", "--amsp.no-overlap-param-update"], tmp_path)
-    assert ("AMSP Overlap(grad_sync=False, prefetch=False, step=False, "
-            "param_update=False)") in proc.stdout + proc.stderr
-    assert ("AMSP Overlap(grad_sync=True, prefetch=True, step=True, "
-            "param_update=True)") in features["first_log"]
-    assert losses(tmp_path) == features["first_curve"]
-
-
 # --------------------------------------------------------------------------------------
 # torchtitan features under AMSP, against the same FSDP baseline: two launches in all.
 #   first:   plan p2-g2-os4, activation checkpointing "full", 2 micro-batches per step
@@ -160,11 +147,16 @@ def test_feature_compile(features, baseline):
 # A layout asked for by torchtitan's own flags (test_titan_dp_flags.py resolves every
 # mapping without a process group; this run checks what trains): HSDP, 2 replicas x
 # shard 2, with fsdp_reshard_after_forward = "never", and [amsp] leaving its factors to
-# them ("dp", the recipe's explicit factors overridden on the command line).
+# them ("dp", the recipe's explicit factors overridden on the command line). The same run
+# switches every overlap off in [amsp]: the flags reach the engine (its log line), and
+# the collectives and losses are those of the overlapped schedule (bit-for-bit identity
+# with overlaps on is the engine's test_overlap.py, at every plan).
 # --------------------------------------------------------------------------------------
 HSDP_BY_FLAGS = ["--amsp.param_shard", "dp", "--amsp.grad_shard", "dp", "--amsp.optim_shard", "dp",
                  "--parallelism.data_parallel_replicate_degree", "2",
                  "--parallelism.fsdp_reshard_after_forward", "never",
+                 "--amsp.no-overlap-grad-sync", "--amsp.no-overlap-prefetch",
+                 "--amsp.no-overlap-step", "--amsp.no-overlap-param-update",
                  "--training.steps", str(STEPS)]
 
 
@@ -176,7 +168,10 @@ def test_hsdp_asked_by_torchtitan_flags_trains_that_layout(baseline, tmp_path):
     all-reduce the grad shards across the nodes, the only bytes that leave a node besides
     the 4-byte norm; no OS-group collective (s_os = s_g = s_p). Losses: torchtitan's FSDP."""
     proc = torchrun(HSDP_BY_FLAGS, tmp_path)
-    assert "[amsp] plan p2-g2-os2 on 4 ranks (2 per node)" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "[amsp] plan p2-g2-os2 on 4 ranks (2 per node)" in log
+    assert ("AMSP Overlap(grad_sync=False, prefetch=False, step=False, "
+            "param_update=False)") in log
     tb = scalars(tmp_path)
     n, fp32, units, micro_batches = 6_163_712, 4, 1 + 6 + 1, 2  # debugmodel, see test_titan
     for step in range(1, STEPS + 1):
