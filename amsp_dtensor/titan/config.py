@@ -106,3 +106,10 @@ class JobConfig:
 
 
 KNOWN_KEYS = tuple(Amsp.__dataclass_fields__)
+
+
+def unknown_amsp_key(name: str) -> AmspConfigError:
+    """The one-line refusal of ``amsp.<name>``, a key [amsp] does not have (in a TOML file
+    or as a ``--amsp.`` flag, on either torchtitan)."""
+    return AmspConfigError(f"amsp.{name}: unknown key in [amsp]; known keys: "
+                           f"{', '.join(KNOWN_KEYS)}")

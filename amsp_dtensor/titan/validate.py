@@ -15,7 +15,7 @@ from amsp_dtensor.plan.sharding_plan import (STRATEGY_NAMES, ResolvedPlan, Shard
                                              resolve_factor, tp_outside_node, valid_factors)
 from amsp_dtensor.plan.compression import CODECS, Compression
 
-from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError
+from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError, unknown_amsp_key
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
 
@@ -29,9 +29,7 @@ def check_toml_keys(toml_values: dict[str, Any] | None) -> None:
         raise AmspConfigError(f"amsp={section!r}: [amsp] must be a TOML table")
     for key in section:
         if key not in KNOWN_KEYS:
-            raise AmspConfigError(
-                f"amsp.{key}: unknown key in [amsp]; known keys: {', '.join(KNOWN_KEYS)}"
-            )
+            raise unknown_amsp_key(key)
 
 
 def check_amsp_flags(argv: list[str]) -> None:
@@ -43,8 +41,7 @@ def check_amsp_flags(argv: list[str]) -> None:
         flag = arg.split("=", 1)[0][len("--amsp."):]
         key = flag.replace("-", "_")
         if key not in KNOWN_KEYS and not (key.startswith("no_") and key[3:] in KNOWN_KEYS):
-            raise AmspConfigError(
-                f"amsp.{flag}: unknown key in [amsp]; known keys: {', '.join(KNOWN_KEYS)}")
+            raise unknown_amsp_key(flag)
 
 
 def world_from_env() -> tuple[int, int]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KNOWN_KEYS as AMSP_KEYS
-from ..config import AmspConfigError
+from ..config import AmspConfigError, unknown_amsp_key
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
 PLUGIN_VALUES = {
@@ -302,8 +302,7 @@ def build(values: dict, path: Path | None = None):
     amsp_values = values.get("amsp", {})
     for key, value in amsp_values.items():
         if key not in AMSP_KEYS:
-            raise AmspConfigError(
-                f"amsp.{key}: unknown key in [amsp]; known keys: {', '.join(AMSP_KEYS)}")
+            raise unknown_amsp_key(key)
         setattr(config.amsp, key, value)
     return config
 
