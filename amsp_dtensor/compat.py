@@ -368,6 +368,14 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
     torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
 
 
+def unflatten_dense(flat: torch.Tensor, templates) -> list[torch.Tensor]:
+    """Views of ``flat`` laid end to end, shaped like each of ``templates`` (whose sizes
+    alone are read: meta tensors do): one C++ call instead of a narrow and a view per
+    tensor in Python. Every template must have elements (an empty one gets a fresh
+    empty tensor, not a view)."""
+    return torch._C._nn.unflatten_dense_tensors(flat, templates)
+
+
 def foreach_copy_(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dest.copy_(src)`` for each pair (casting as copy_ does), in one foreach call."""
     torch._foreach_copy_(dests, srcs)

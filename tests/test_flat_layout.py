@@ -60,3 +60,29 @@ def test_unpack_casts_into_another_dtype():
     dests = [torch.empty(4, 3, dtype=torch.bfloat16), torch.empty(2, 2, dtype=torch.bfloat16)]
     layout.unpack_into(layout.pack(flat, 2), 2, dests)
     assert all(torch.equal(d, v.to(torch.bfloat16)) for d, v in zip(dests, values))
+
+
+def test_views_are_the_buffer_cut_by_slots():
+    """views(): each tensor's real rows at the start of its slot, sharing the buffer's
+    storage, whether made in one call (every slot full: ``dense``) or tensor by tensor."""
+    rng = random.Random(1)
+    seen = {True: 0, False: 0}
+    for _ in range(200):
+        n = rng.randint(1, 4)
+        rows = [rng.randint(0, 6) for _ in range(n)]
+        caps = [r + rng.choice([0, 0, 0, 2]) for r in rows]
+        cols = [rng.randint(1, 4) for _ in range(n)]
+        layout = FlatLayout.for_shapes([torch.Size([r, c]) for r, c in zip(rows, cols)],
+                                       rows=rows, caps=caps)
+        assert layout.dense == all(r == cap > 0 for r, cap in zip(rows, caps))
+        seen[layout.dense] += 1
+        flat = torch.randn(layout.numel)
+        starts = [sum(cap * c for cap, c in zip(caps[:i], cols[:i])) for i in range(n)]
+        views = layout.views(flat)
+        assert [tuple(v.shape) for v in views] == list(zip(rows, cols))
+        for view, start, r, c in zip(views, starts, rows, cols):
+            assert torch.equal(view, flat[start:start + r * c].view(r, c))
+            if r * c:
+                view.fill_(7.0)  # a view, not a copy: the buffer sees the write
+                assert bool((flat[start:start + r * c] == 7.0).all())
+    assert seen[True] > 20 and seen[False] > 20

@@ -79,6 +79,16 @@ class FlatLayout:
             offset += p.slot_numel
         self.numel = offset
         self._plans: dict[int, _Chunked] = {}
+        # every slot full (rows = cap > 0): the views are the buffer cut end to end, which
+        # one C++ call makes (compat.unflatten_dense); meta tensors give it the shapes
+        self._dense = [torch.empty(p.rows, p.cols, device="meta") for p in params] if (
+            params and all(p.rows == p.cap and p.rows * p.cols > 0 for p in params)) else None
+
+    @property
+    def dense(self) -> bool:
+        """Every slot is full (no padding) and holds elements: the buffer is the tensors
+        laid end to end."""
+        return self._dense is not None
 
     @staticmethod
     def for_shapes(shapes: list[torch.Size], rows: list[int] | None = None, caps=None):
@@ -100,6 +110,8 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """(rows, cols) views of the real rows of each tensor in ``flat``."""
+        if self._dense is not None:
+            return compat.unflatten_dense(flat, self._dense)
         return [
             flat[off : off + p.rows * p.cols].view(p.rows, p.cols)
             for off, p in zip(self.offsets, self.params)

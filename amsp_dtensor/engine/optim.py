@@ -295,15 +295,21 @@ class AMSPOptimizer(torch.optim.Optimizer):
         return any(p.grad is not None for p in self._opt_params)
 
     def _prepare_unit_grads(self, unit: AMSPUnit) -> None:
-        factor = self._root.divide_factor
         start, masters = self._unit_slices[id(unit)]
+        mine = self._opt_params[start:start + len(masters)]  # the masters' local rows
         synced = unit.synced_grad
+        if synced is None:
+            for opt_param in mine:
+                opt_param.grad = None
+            return
         # one cast and one division for the whole unit, not one per tensor
-        views = (unit.os_layout.views(synced.to(torch.float32) / factor)
-                 if synced is not None else None)
-        for j in range(len(masters)):
-            opt_param = self._opt_params[start + j]  # the master's local rows, as a Parameter
-            opt_param.grad = None if views is None else views[j].view(opt_param.shape)
+        flat = synced.to(torch.float32) / self._root.divide_factor
+        if unit.os_layout.dense:  # the grads are the buffer cut end to end, in their shapes
+            grads = compat.unflatten_dense(flat, mine)
+        else:
+            grads = [view.view(p.shape) for view, p in zip(unit.os_layout.views(flat), mine)]
+        for opt_param, grad in zip(mine, grads):
+            opt_param.grad = grad
 
     def _check_ready_to_step(self) -> None:
         """Every unit must be SYNCED, or REDUCING with its last stage in flight after the

@@ -15,10 +15,11 @@ model's, any submodule's, the optimizer's) or ``wait_param_update()`` do.
 [Note: writes while an update is in flight] Landing writes every P row of the unit,
 this rank's own included (from the send buffer), so an in-place write to a parameter
 made between ``step()`` and the landing (``p.mul_()``, ``p.copy_()``) would be
-overwritten without a trace. ``send`` therefore records the params' version counters
-(AMSPUnit.write_versions) and ``land`` compares them: if they moved, it still lands (the
-engine stays consistent and training can go on) and then ParamWrittenWhilePending is
-raised, naming the parameters and the fix. The loads above land first, so they are not
+overwritten without a trace. With overlap_param_update=True, ``send`` therefore records
+the params' version counters (AMSPUnit.write_versions) and ``land`` compares them: if
+they moved, it still lands (the engine stays consistent and training can go on) and then
+ParamWrittenWhilePending is raised, naming the parameters and the fix. (Without it,
+``step()`` lands before it returns: no user code runs in between, nothing is recorded.) The loads above land first, so they are not
 such writes. A write through ``p.data`` moves no counter and cannot be seen.
 """
 
@@ -77,22 +78,26 @@ def _written_message(fqns: list[str]) -> str:
 def issue(unit: "AMSPUnit", masters: list, collectives: Collectives):
     """Masters -> P shards: copies locally when s_os = s_p (None), else issues the
     all-gather over the OS subgroup: (its PendingComm, the send buffer)."""
-    p_locals = unit.local_params()
     k = unit.info.os_split[0]
     sources = [compat.dtensor_local(master) for master in masters]
     if k == 1:
+        p_locals = unit.local_params()
         # an fp32 P shard is its own master: nothing to copy
         pairs = [(dest, src.view(dest.shape)) for dest, src in zip(p_locals, sources)
                  if src.data_ptr() != dest.data_ptr()]
         if pairs:
             compat.foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         return None
-    layout = unit.os_layout
-    padded = any(p.rows != p.cap for p in layout.params)
-    make = torch.zeros if padded else torch.empty  # every element is written when unpadded
-    send_buf = make(layout.numel, dtype=p_locals[0].dtype, device=p_locals[0].device)
-    views = layout.views(send_buf)
-    compat.foreach_copy_(views, [src.reshape(view.shape) for view, src in zip(views, sources)])
+    layout, p_local = unit.os_layout, unit.first_local()
+    if layout.dense:
+        # the masters laid end to end, cast to the P dtype: one kernel, as FSDP2's copy-in
+        send_buf = torch.empty(layout.numel, dtype=p_local.dtype, device=p_local.device)
+        compat.chunk_cat(sources, 1, send_buf.view(1, -1))
+    else:
+        # padded slots: zero-filled, each master copied into its slot's real rows
+        send_buf = torch.zeros(layout.numel, dtype=p_local.dtype, device=p_local.device)
+        views = layout.views(send_buf)
+        compat.foreach_copy_(views, [src.reshape(view.shape) for view, src in zip(views, sources)])
     if codec := unit.weight_codec():
         # every rank, this one included, lands the values dequantized from the same bytes
         return compression.all_gather(collectives, send_buf, unit.info.os_subgroup_dim,

@@ -85,7 +85,9 @@ class PendingUpdate:
 
     comm: PendingComm  # the all-gather; its result holds every OS rank's new rows
     send_buf: torch.Tensor  # this rank's new rows, alive until the all-gather completes
-    versions: tuple[int, ...]  # the unit's write_versions() when it was issued
+    # the unit's write_versions() when it was issued; None when step() lands it before
+    # returning (overlap_param_update off), so no user code can write in between
+    versions: tuple[int, ...] | None
 
 
 # ---- step states: each holds exactly its buffers ---------------------------------------
@@ -354,7 +356,8 @@ class AMSPUnit:
         if issued is None:
             self._to(Updated(grad))
         else:
-            self._to(Sending(grad, PendingUpdate(*issued, versions=self.write_versions())))
+            versions = self.write_versions() if self.root.overlap.param_update else None
+            self._to(Sending(grad, PendingUpdate(*issued, versions=versions)))
 
     @torch.no_grad()
     def land(self) -> list[str]:
@@ -364,19 +367,27 @@ class AMSPUnit:
         if not isinstance(step, Sending):
             return []
         pending = step.update
-        now = self.write_versions()
-        n = len(self.params)  # versions: each param's, then (FSDP) each local tensor's
-        moved = sorted({i % n for i, (a, b) in enumerate(zip(now, pending.versions)) if a != b})
-        names = self.param_fqns if len(self.param_fqns) == n else [self.name] * n
+        written = [] if pending.versions is None else self._written_since(pending.versions)
         self._to(Updated(step.grad))
         with self.profile_range("AMSP::param_update_land"):
             param_update.unpack(self, pending.comm)
+        return written
+
+    def _written_since(self, versions: tuple[int, ...]) -> list[str]:
+        """FQNs of the params whose write_versions() moved since ``versions``."""
+        now = self.write_versions()
+        if now == versions:
+            return []
+        n = len(self.params)  # versions: each param's, then (FSDP) each local tensor's
+        moved = sorted({i % n for i, (a, b) in enumerate(zip(now, versions)) if a != b})
+        names = self.param_fqns if len(self.param_fqns) == n else [self.name] * n
         return list(dict.fromkeys(names[i] for i in moved))
 
     def written_while_pending(self) -> bool:
         """A param was written in place while this unit's update is in flight."""
         pending = self.pending_update
-        return pending is not None and self.write_versions() != pending.versions
+        return (pending is not None and pending.versions is not None
+                and self.write_versions() != pending.versions)
 
     @torch.no_grad()
     def overwrite(self, masters: list) -> None:
@@ -414,6 +425,19 @@ class AMSPUnit:
             return [fp.sharded_param for fp in compat.fsdp_params(self.module)
                     if fp.sharded_param.requires_grad]
         return self.own_params
+
+    def first_local(self) -> torch.Tensor | None:
+        """``local_params()[0]`` (None if the unit has no params), without building the
+        lists: what the P shards' dtype and device are read from."""
+        if self.uses_fsdp:
+            first = next((fp.sharded_param for fp in compat.fsdp_params(self.module)
+                          if fp.sharded_param.requires_grad), None)
+        else:
+            first = self.own_params[0] if self.own_params else None
+        if first is None:
+            return None
+        return values_of(compat.dtensor_local(first) if self.uses_fsdp or self.tp_placements
+                         else first.data)
 
     @property
     def name(self) -> str:
@@ -484,12 +508,10 @@ class AMSPUnit:
         (torchtitan's flow) takes the device it is materialised on (``to_empty``)."""
         if not self.uses_fsdp:
             self._check_tp_kind(self._module_params())
-        params = self.params
-        if not params:
+        first = self.first_local()
+        if first is None:
             return
-        # every P shard of a unit is on one device: the first one's tells
-        device = (compat.dtensor_local(params[0]) if self.uses_fsdp or self.tp_placements
-                  else params[0]).device
+        device = first.device  # every P shard of a unit is on one device: the first tells
         if device == self.device:
             return
         if self.device.type == "meta":
