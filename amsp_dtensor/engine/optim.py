@@ -194,6 +194,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 )
         # per unit whose masters are views into its fp32 P shards: {param index: storage}
         self._aliases: list[tuple[AMSPUnit, dict[int, int]]] = []
+        self._masters_are_p: dict[int, bool] = {}  # id(unit) -> every master is a P view
         self._masters: list[DTensor] = []
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
         self._unit_slices: dict[int, tuple[int, list[DTensor]]] = {}  # id(unit) -> (start, masters)
@@ -276,6 +277,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
             masters.append(nn.Parameter(master))
         if views:
             self._aliases.append((unit, views))
+        # every master is a view of its P shard: after the step there is nothing to copy
+        # when s_os = s_p (step() has checked the views still alias the P storage)
+        self._masters_are_p[id(unit)] = len(views) == len(masters)
         return masters
 
     # ---- gradients ----------------------------------------------------------------
@@ -432,7 +436,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             for opt_param in self._opt_params:
                 opt_param.grad = None  # step-time scratch; G stays until zero_grad
             for unit, masters in self._unit_masters:
-                unit.send(masters)
+                unit.send(masters, self._masters_are_p[id(unit)])
         self._inner_state = InnerState.REAL
         if not self.overlap_param_update:
             self.wait_param_update()
@@ -518,7 +522,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         for opt_param in stepped:
             opt_param.grad = None
         for unit in units:
-            unit.send(self._unit_slices[id(unit)][1])
+            unit.send(self._unit_slices[id(unit)][1], self._masters_are_p[id(unit)])
 
     @contextlib.contextmanager
     def _groups_limited_to(self, units: list, params: list):

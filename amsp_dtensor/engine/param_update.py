@@ -19,8 +19,9 @@ overwritten without a trace. With overlap_param_update=True, ``send`` therefore 
 the params' version counters (AMSPUnit.write_versions) and ``land`` compares them: if
 they moved, it still lands (the engine stays consistent and training can go on) and then
 ParamWrittenWhilePending is raised, naming the parameters and the fix. (Without it,
-``step()`` lands before it returns: no user code runs in between, nothing is recorded.) The loads above land first, so they are not
-such writes. A write through ``p.data`` moves no counter and cannot be seen.
+``step()`` lands before it returns: no user code runs in between, nothing is recorded.)
+The loads above land first, so they are not such writes. A write through ``p.data``
+moves no counter and cannot be seen.
 """
 
 from __future__ import annotations
@@ -75,10 +76,14 @@ def _written_message(fqns: list[str]) -> str:
 
 
 @torch.no_grad()
-def issue(unit: "AMSPUnit", masters: list, collectives: Collectives):
-    """Masters -> P shards: copies locally when s_os = s_p (None), else issues the
+def issue(unit: "AMSPUnit", masters: list, collectives: Collectives,
+          masters_are_p: bool = False):
+    """Masters -> P shards: copies locally when s_os = s_p (None; nothing to copy when
+    ``masters_are_p``: every master is a view of its P shard's rows), else issues the
     all-gather over the OS subgroup: (its PendingComm, the send buffer)."""
     k = unit.info.os_split[0]
+    if k == 1 and masters_are_p:
+        return None
     sources = [compat.dtensor_local(master) for master in masters]
     if k == 1:
         p_locals = unit.local_params()

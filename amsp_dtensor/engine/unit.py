@@ -346,13 +346,14 @@ class AMSPUnit:
 
     # ---- optimizer step and update -----------------------------------------------
     @torch.no_grad()
-    def send(self, masters: list) -> None:
+    def send(self, masters: list, masters_are_p: bool = False) -> None:
         """After the step (SYNCED): the new weights from the fp32 masters back to the P
-        shards: a local copy if s_os == s_p (UPDATED), else the all-gather over the OS
-        subgroup is issued (SENDING; ``land`` completes it)."""
+        shards: a local copy if s_os == s_p (UPDATED; none when ``masters_are_p``, every
+        master a view of its P rows), else the all-gather over the OS subgroup is issued
+        (SENDING; ``land`` completes it)."""
         grad = self._step.grad
         with self.profile_range("AMSP::param_update_issue"):
-            issued = param_update.issue(self, masters, self.root.collectives)
+            issued = param_update.issue(self, masters, self.root.collectives, masters_are_p)
         if issued is None:
             self._to(Updated(grad))
         else:
