@@ -53,7 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="instead of timing: cProfile and torch.profiler of each configuration")
+                    help="instead of timing: cProfile (all functions, then the engine's "
+                         "alone) and torch.profiler of each configuration")
     ap.add_argument("--op-diff", action="store_true",
                     help="also list the ops each AMSP row launches beyond its baseline's")
     return ap.parse_args(argv)
@@ -247,6 +248,8 @@ def profile(args) -> None:
                 stats = pstats.Stats(prof, stream=f)
                 stats.sort_stats("tottime").print_stats(40)
                 stats.sort_stats("cumulative").print_stats(60)
+                # the engine's own functions (AMSP rows): what each step calls, and how often
+                stats.sort_stats("cumulative").print_stats("amsp_dtensor/engine", 60)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
                 b.timed(args.steps)
             table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
