@@ -77,7 +77,7 @@ def run_trainer(build) -> int:
 
     from amsp_dtensor.checkpoint import CheckpointMismatch
 
-    trainer = None
+    trainer, code = None, 0
     try:
         try:
             trainer = build()
@@ -87,10 +87,9 @@ def run_trainer(build) -> int:
                 trainer.close()
     except CheckpointMismatch as e:
         print(f"[rank{_rank()}] amsp_dtensor.train: error: {e}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        return 2
+        code = 2
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    logger.info("Process group destroyed")
-    return 0
+    if code == 0:
+        logger.info("Process group destroyed")
+    return code

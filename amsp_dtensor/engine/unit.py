@@ -422,17 +422,18 @@ class AMSPUnit:
         """The unit's params in the order of the flat gradient buffers. For FSDP units,
         FSDP's sharded params, read each time: materialising a meta model (to_empty)
         lets FSDP swap them."""
-        if self.uses_fsdp:
-            return [fp.sharded_param for fp in compat.fsdp_params(self.module)
-                    if fp.sharded_param.requires_grad]
-        return self.own_params
+        return list(self._fsdp_params()) if self.uses_fsdp else self.own_params
+
+    def _fsdp_params(self):
+        """FSDP's trainable sharded params of the unit, in order (FSDP units only)."""
+        return (fp.sharded_param for fp in compat.fsdp_params(self.module)
+                if fp.sharded_param.requires_grad)
 
     def first_local(self) -> torch.Tensor | None:
         """``local_params()[0]`` (None if the unit has no params), without building the
         lists: what the P shards' dtype and device are read from."""
         if self.uses_fsdp:
-            first = next((fp.sharded_param for fp in compat.fsdp_params(self.module)
-                          if fp.sharded_param.requires_grad), None)
+            first = next(self._fsdp_params(), None)
         else:
             first = self.own_params[0] if self.own_params else None
         if first is None:

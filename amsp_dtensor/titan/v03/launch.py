@@ -14,7 +14,7 @@ loop with the AmspTrainer.
 
 from __future__ import annotations
 
-from ...launching import _rank
+from ... import launching as launcher
 from . import cpu_compat
 
 cpu_compat.apply()
@@ -48,7 +48,6 @@ def load_config(argv: list[str]):
 def main(argv: list[str]) -> int:
     from torchtitan.tools.logging import init_logger, logger
 
-    from ... import launching as launcher
     from ..config import AmspConfigError
     from .parallelize import is_amsp
     from .trainer import prepare
@@ -62,7 +61,7 @@ def main(argv: list[str]) -> int:
         return launcher.refuse(e)
     if plan is not None:
         launcher.log_plan(plan, config.parallelism.tensor_parallel_degree, " (torchtitan 0.3)")
-    elif amsp_given and not config.amsp.init_like_single_process and _rank() == 0:
+    elif amsp_given and not config.amsp.init_like_single_process and launcher._rank() == 0:
         logger.warning(f"model {config.model_spec.name} uses torchtitan's own parallelism; the "
                        "[amsp] settings are not used (for AMSP: model.name <name>_amsp)")
     assert plan is None or is_amsp(config.model_spec)
@@ -74,6 +73,4 @@ def main(argv: list[str]) -> int:
 def run(config) -> int:
     """The body of torchtitan.train.main, with the AmspTrainer ``config`` builds (exit code:
     launching.run_trainer)."""
-    from ... import launching as launcher
-
     return launcher.run_trainer(config.build)
