@@ -10,7 +10,7 @@ from .plan.cost.planner import choose_plan as auto_plan
 from .engine.grad import no_sync, set_gradient_divide_factor
 from .engine.layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS, gather_full
 from .engine.mesh import init_mesh
-from .observe import CommEvent, CommRecorder, record_comms
+from .engine.recorder import CommEvent, CommRecorder, record_comms
 from .observe.backward_memory import track_backward_memory
 from .observe.memory import memory_by_state
 from .engine.optim import AMSPOptimizer, clip_grad_norm_

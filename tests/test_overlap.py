@@ -12,7 +12,7 @@ import torch
 
 from amsp_dtensor.plan.cost.check import schedule_differences, unit_param_shapes_of
 from amsp_dtensor.plan.cost.models import ModelShape
-from amsp_dtensor.observe.recorder import CommEvent, overlap_summary
+from amsp_dtensor.engine.recorder import CommEvent, overlap_summary
 from amsp_dtensor.plan import ShardingPlan
 from amsp_dtensor.testing.scenarios import reference_training
 from amsp_dtensor.testing.tiny_llama import TinyLlama

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import amsp_dtensor as amsp
-from amsp_dtensor.observe.recorder import record_comms
+from amsp_dtensor.engine.recorder import record_comms
 from amsp_dtensor.engine.handle import root_state
 
 # two bias-free linears, one unit: 8x8 + 4x8 weights, rows divisible by s_p = 2 (no padding)

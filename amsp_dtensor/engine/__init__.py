@@ -6,7 +6,8 @@
   root's per-step state, the table of allowed transitions;
 - ``grad``, ``param_update``, ``optim``, ``sharded_adafactor``: the gradient path's entry
   points, the post-step all-gather, the OS-sharded optimizer;
-- ``collectives``, ``streams``, ``overlap``, ``handle``, ``fqn``: recorded collectives,
+- ``collectives``, ``recorder``, ``streams``, ``overlap``, ``handle``, ``fqn``: the
+  collectives (one pending type that owns its buffers) and the recorder they emit into,
   CUDA stream order, the overlap switches, the engine's handle on torch objects, names.
 
 The public API is re-exported by ``amsp_dtensor``.

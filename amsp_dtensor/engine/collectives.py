@@ -1,10 +1,31 @@
-"""Every collective the engine issues goes through here, so the recorder sees it.
+"""Every collective the engine issues goes through here, so the recorder sees it, and
+every one comes back as a ``PendingComm`` that owns the buffers it reads and writes.
 
 Our own gradient and optimizer-state paths call ``Collectives``; FSDP2's parameter path
 is observed through its custom-comm hooks (``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``) with subclasses of its default implementations that only
 add recording. All reductions are plain SUM: gloo rejects PREMUL_SUM/AVG-style ops, and
 the engine applies the gradient divide factor once, on the fp32 master grads.
+
+[Note: buffers in flight]
+A collective issued with ``async_op=True`` reads its input and writes its output on the
+backend's own threads (gloo) or streams (NCCL) until it is waited for. Two rules make
+that safe, and this module is where both are kept:
+
+1. Ownership. Every tensor handed to an asynchronous collective is referenced by the
+   ``PendingComm`` that ``wait()`` completes, until that wait: its ``input`` (what the
+   caller handed in), its ``result`` (what it writes) and ``held`` (intermediate buffers
+   of a compressed form: the encoded chunks). Nothing relies on c10d's ``Work`` to keep a
+   buffer alive, and the caller may drop its own references right after issuing.
+   tests/test_buffers_in_flight.py issues every stage through a backend whose ``Work``
+   holds no reference, and fails if one of these is dropped.
+2. No shared buffer. A collective never writes a buffer that anyone else still reads or
+   writes while it is in flight: the engine writes in place only into buffers it owns.
+   The one buffer it is handed by another library, FSDP2's reduce-scatter output in the
+   all-reduce hook, is FSDP2's until the hook returns: FSDP2 reads it afterwards (its cast
+   to the parameters' dtype for ``.grad``), so the engine may keep it and read it, but a
+   collective that writes in place (the replica all-reduce) runs on a copy of it
+   (unit.py, ``AMSPUnit._own``).
 """
 
 from __future__ import annotations
@@ -16,7 +37,7 @@ import torch.distributed as dist
 
 from .. import compat
 from .mesh import MeshInfo
-from ..observe.recorder import CommEvent, Timer, active_recorders, emit
+from .recorder import CommEvent, Timer, active_recorders, emit
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -24,49 +45,77 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class PendingComm:
-    """An issued async collective; ``wait()`` completes it and records it (see the Note
-    on comm timing in observe/recorder.py)."""
+    """An issued async collective, with the buffers it owns until ``wait()`` (Note: buffers
+    in flight); ``wait()`` completes it, records it (Note: comm timing in recorder.py),
+    runs its finishing step if it has one (``then``), and returns ``result``.
 
-    __slots__ = ("work", "event_args", "timer", "result", "recorders", "done_at")
+    ``input``: the buffer the caller handed to the collective (for a compressed form, the
+    values before encoding); ``result``: the buffer alive now that holds the output (what
+    is received into, then, after a finishing step, the finished values); ``held``: the
+    buffers in between (encoded chunks). Memory accounting reads ``input`` and ``result``."""
 
-    def __init__(self, work, event_args: dict | None, result: torch.Tensor):
+    __slots__ = ("work", "event_args", "timer", "input", "result", "held", "recorders",
+                 "done_at", "_finish")
+
+    def __init__(self, work, event_args: dict | None, result: torch.Tensor,
+                 input: torch.Tensor | None = None):
         self.work = work
         self.event_args = event_args
         self.timer = Timer()
+        self.input = input
         self.result = result
+        self.held: tuple[torch.Tensor, ...] = ()
         self.done_at: float | None = None
+        self._finish = None
         # The event belongs to the recorders active at issue time, even if it completes
         # later (the post-step all-gather lands in the next forward).
         self.recorders = active_recorders()
-        if work is not None and event_args is not None and result.device.type == "cpu":
-            try:
-                work.get_future().then(self._mark_done)
-            except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce_scatter)
-                pass
 
-    def _mark_done(self, _future) -> None:
-        self.done_at = time.perf_counter()
+    def then(self, finish, input: torch.Tensor | None = None) -> "PendingComm":
+        """Give this collective a local finishing step: ``wait()`` returns
+        ``finish(received)`` (computed once). ``input`` (the values the collective's input
+        was encoded from) becomes ``input``; the collective's own input is kept in
+        ``held``. Returns self."""
+        assert self._finish is None, "a PendingComm has one finishing step"
+        self.held = (*self.held, self.input)
+        self.input = input
+        self._finish = finish
+        return self
 
     def done(self) -> bool:
-        """Whether ``wait()`` would return without blocking on the collective."""
-        return self.work is None or self.work.is_completed()
+        """Whether ``wait()`` would return without blocking on the collective (a finishing
+        step may still run, and a compressed all-reduce's issues its all-gather then).
+        The first call that sees it completed stamps its completion time."""
+        if self.work is None:
+            return True
+        if not self.work.is_completed():
+            return False
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+        return True
 
     def wait(self) -> torch.Tensor:
         start = end = time.perf_counter()
         if self.work is not None:
+            if self.done_at is None and self.work.is_completed():
+                self.done_at = start
             self.work.wait()
             end = time.perf_counter()
             self.work = None
         if self.event_args is not None:
-            # done before the wait began: completed at its stamp and nothing was exposed
+            # completed before the wait began: at its first stamp, and nothing was exposed
             # (the wait's own overhead is not communication); else when the wait returned
-            early = self.done_at is not None and self.done_at <= start
+            early = self.done_at is not None
             done, blocked = (self.done_at, 0.0) if early else (end, end - start)
             event = CommEvent(seconds=done - self.timer.start, blocked_seconds=blocked,
                               **self.event_args)
             for recorder in self.recorders:
                 recorder.add(event)
             self.event_args = None
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self.result = finish(self.result)
+            self.held = ()
         return self.result
 
 
@@ -123,31 +172,47 @@ class Collectives:
             phase=phase,
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
-                   codec: str | None = None):
-        work = compat.all_gather_single(output, input, group=self.info.group(dim), async_op=True)
-        args = self._event_args("all_gather", dim, _nbytes(output), phase, codec)
-        return PendingComm(work, args, output)
+    def _start(self, kind: str, output: torch.Tensor, input: torch.Tensor, dim: str,
+               phase: str, nbytes: int, codec: str | None = None, **kwargs) -> PendingComm:
+        work = LAUNCH[kind](output, input, self.info.group(dim), **kwargs)
+        return PendingComm(work, self._event_args(kind, dim, nbytes, phase, codec), output,
+                           input)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str):
-        work = compat.reduce_scatter_single(
-            output, input, op=dist.ReduceOp.SUM, group=self.info.group(dim), async_op=True
-        )
-        return PendingComm(
-            work, self._event_args("reduce_scatter", dim, _nbytes(input), phase), output
-        )
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
+                   codec: str | None = None) -> PendingComm:
+        return self._start("all_gather", output, input, dim, phase, _nbytes(output), codec)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, dim: str,
+                       phase: str) -> PendingComm:
+        return self._start("reduce_scatter", output, input, dim, phase, _nbytes(input))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
-                   codec: str | None = None):
+                   codec: str | None = None) -> PendingComm:
         """Row i of ``input`` (k rows) to rank i of the group; row j of ``output`` from
         rank j (compression.py's reduce-scatter)."""
-        work = dist.all_to_all_single(output, input, group=self.info.group(dim), async_op=True)
-        args = self._event_args("all_to_all", dim, _nbytes(input), phase, codec)
-        return PendingComm(work, args, output)
+        return self._start("all_to_all", output, input, dim, phase, _nbytes(input), codec)
 
-    def all_reduce(self, tensor: torch.Tensor, dim: str, phase: str, op=dist.ReduceOp.SUM):
-        work = dist.all_reduce(tensor, op=op, group=self.info.group(dim), async_op=True)
-        return PendingComm(work, self._event_args("all_reduce", dim, _nbytes(tensor), phase), tensor)
+    def all_reduce(self, tensor: torch.Tensor, dim: str, phase: str,
+                   op=dist.ReduceOp.SUM) -> PendingComm:
+        """``op`` (SUM, or MAX for an inf-norm) over ``dim``, in place: ``tensor`` is both
+        input and result."""
+        return self._start("all_reduce", tensor, tensor, dim, phase, _nbytes(tensor), reduce_op=op)
+
+
+# The asynchronous c10d calls behind Collectives, by op: (output, input, group) -> Work
+# (all_reduce also takes the reduce op).
+# One table, so that a test can stand in a backend whose Work keeps no buffer alive
+# (tests/test_buffers_in_flight.py).
+LAUNCH = {
+    "all_gather": lambda out, inp, group: compat.all_gather_single(
+        out, inp, group=group, async_op=True),
+    "reduce_scatter": lambda out, inp, group: compat.reduce_scatter_single(
+        out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True),
+    "all_to_all": lambda out, inp, group: dist.all_to_all_single(
+        out, inp, group=group, async_op=True),
+    "all_reduce": lambda out, inp, group, reduce_op=dist.ReduceOp.SUM: dist.all_reduce(
+        inp, op=reduce_op, group=group, async_op=True),
+}
 
 
 def _fsdp_phase() -> str:

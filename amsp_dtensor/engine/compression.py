@@ -118,47 +118,20 @@ def _with_feedback(rows: torch.Tensor, residual: torch.Tensor | None, codec: str
     return chunks
 
 
-class _Finished:
-    """A PendingComm-like whose ``wait()`` waits for the collective(s) and then runs a
-    local finishing step (dequantize, sum) once."""
-
-    def __init__(self, first: PendingComm, finish):
-        self._first = first
-        self._finish = finish
-        self._result = None
-
-    @property
-    def result(self) -> torch.Tensor:
-        """The buffer alive now: the one being received into, then the finished values
-        (memory accounting reads it as it reads PendingComm.result)."""
-        return self._first.result if self._result is None else self._result
-
-    def done(self) -> bool:
-        """Whether the first collective has completed (the finishing step may still run,
-        and an all-reduce's issues its all-gather then)."""
-        return self._finish is None or self._first.done()
-
-    def wait(self) -> torch.Tensor:
-        if self._finish is not None:
-            self._result = self._finish(self._first.wait())
-            self._finish = None
-        return self._result
-
-
 # ---- the compressed collectives ------------------------------------------------------
 def reduce_scatter(c: Collectives, packed: torch.Tensor, residual: torch.Tensor, dim: str,
-                   phase: str, codec: str):
+                   phase: str, codec: str) -> PendingComm:
     """Compressed form of reduce-scatter(packed k x m over ``dim``): this rank's m-element
     sum, in packed's dtype (Note: compressed reductions)."""
     k, m = packed.shape
     chunks = _with_feedback(packed, residual, codec)
     received = torch.empty_like(chunks)
-    first = c.all_to_all(received, chunks, dim, phase, codec)
-    return _Finished(first, lambda got: decode(got, codec, m).sum(0).to(packed.dtype))
+    pending = c.all_to_all(received, chunks, dim, phase, codec)
+    return pending.then(lambda got: decode(got, codec, m).sum(0).to(packed.dtype), packed)
 
 
 def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim: str,
-               phase: str, codec: str):
+               phase: str, codec: str) -> PendingComm:
     """Compressed form of all-reduce(tensor over ``dim``): a compressed reduce-scatter,
     then an all-gather of the compressed sums; ``residual`` is k x ceil(n/k)."""
     n, k = tensor.numel(), c.info.size(dim)
@@ -167,7 +140,7 @@ def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim
     rows[:n] = tensor.view(-1)
     chunks = _with_feedback(rows.view(k, m), residual, codec)
     received = torch.empty_like(chunks)
-    first = c.all_to_all(received, chunks, dim, phase, codec)
+    pending = c.all_to_all(received, chunks, dim, phase, codec)
     me = dist.get_rank(c.info.group(dim))
 
     def finish(got: torch.Tensor) -> torch.Tensor:
@@ -179,17 +152,20 @@ def all_reduce(c: Collectives, tensor: torch.Tensor, residual: torch.Tensor, dim
         c.all_gather(gathered.view(-1), mine.view(-1), dim, phase, codec).wait()
         return decode(gathered, codec, m).reshape(-1)[:n].to(tensor.dtype).view_as(tensor)
 
-    return _Finished(first, finish)
+    return pending.then(finish, tensor)
 
 
-def all_gather(c: Collectives, send: torch.Tensor, dim: str, phase: str, codec: str):
+def all_gather(c: Collectives, send: torch.Tensor, dim: str, phase: str,
+               codec: str) -> PendingComm:
     """Compressed form of all-gather(send over ``dim``): k x numel in send's dtype, every
-    row (this rank's own included) dequantized from the same bytes."""
+    row (this rank's own included) dequantized from the same bytes. ``input`` stays the
+    encoded send buffer (what is in flight; ``send`` itself may be dropped once encoded)."""
     m, k = send.numel(), c.info.size(dim)
     mine = encode(send.view(1, m), codec)
     gathered = mine.new_empty(k, mine.shape[1])
-    first = c.all_gather(gathered.view(-1), mine.view(-1), dim, phase, codec)
-    return _Finished(first, lambda got: decode(got.view(k, -1), codec, m).to(send.dtype)), mine
+    pending = c.all_gather(gathered.view(-1), mine.view(-1), dim, phase, codec)
+    return pending.then(lambda got: decode(got.view(k, -1), codec, m).to(send.dtype),
+                        pending.input)
 
 
 def residual_norm(model: nn.Module) -> float:

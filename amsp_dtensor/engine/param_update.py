@@ -80,7 +80,8 @@ def issue(unit: "AMSPUnit", masters: list, collectives: Collectives,
           masters_are_p: bool = False):
     """Masters -> P shards: copies locally when s_os = s_p (None; nothing to copy when
     ``masters_are_p``: every master is a view of its P shard's rows), else issues the
-    all-gather over the OS subgroup: (its PendingComm, the send buffer)."""
+    all-gather over the OS subgroup: its PendingComm, which owns the send buffer
+    (``input``) and the gathered rows (``result``) until the update lands."""
     k = unit.info.os_split[0]
     if k == 1 and masters_are_p:
         return None
@@ -108,9 +109,8 @@ def issue(unit: "AMSPUnit", masters: list, collectives: Collectives,
         return compression.all_gather(collectives, send_buf, unit.info.os_subgroup_dim,
                                       "step", codec)
     gathered = send_buf.new_empty(k, unit.os_layout.numel)
-    pending = collectives.all_gather(gathered.view(-1), send_buf, unit.info.os_subgroup_dim,
-                                     phase="step")
-    return pending, send_buf
+    return collectives.all_gather(gathered.view(-1), send_buf, unit.info.os_subgroup_dim,
+                                  phase="step")
 
 
 @torch.no_grad()

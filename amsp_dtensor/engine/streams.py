@@ -40,7 +40,8 @@ this with events and keeps references until the waits are queued (its
    reused by a grad-stream allocation, and every stretch of grad-stream work starts by
    waiting for the compute stream (``on_grad_stream``; FSDP2's hook stream waits for the
    reduce-scatter stream, which waits for the compute stream), so after those reads.
-   Collectives still in flight keep their own buffers (c10d holds them until ``wait``).
+   Collectives still in flight keep their own buffers (their PendingComm holds them
+   until ``wait``: collectives.py's Note: buffers in flight).
 4. The post-step all-gather and the unpack of the new P rows run on the compute stream.
    FSDP2 copies a unit's shard into its all-gather input on its copy-in stream, which
    waits for the compute stream only in the root's pre-forward. A unit whose update lands

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn as nn
@@ -43,13 +43,14 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .. import compat
-from ..plan.compression import codec_applies
+from ..plan.compression import Compression, codec_applies
 from . import compression, param_update
-from .collectives import PendingComm
+from .collectives import Collectives, PendingComm
 from .fqn import clean_fqn
 from .layouts import FlatLayout
 from .lifecycle import StepState, check_transition
 from .mesh import MeshInfo
+from .overlap import Overlap
 
 
 NO_RANGE = contextlib.nullcontext()  # profile_range when no profiler collects
@@ -75,19 +76,41 @@ class InFlightStage:
 
     unit: "AMSPUnit"
     stage: GradStage
-    pending: PendingComm
-    keepalive: torch.Tensor | None  # the collective's input, alive until it completes
+    pending: PendingComm  # owns the stage's buffers until it completes (collectives.py)
 
 
 @dataclass(frozen=True)
 class PendingUpdate:
     """A unit's post-step all-gather in flight (SENDING), with what landing it needs."""
 
-    comm: PendingComm  # the all-gather; its result holds every OS rank's new rows
-    send_buf: torch.Tensor  # this rank's new rows, alive until the all-gather completes
+    # the all-gather: its input is this rank's new rows, its result every OS rank's
+    comm: PendingComm
     # the unit's write_versions() when it was issued; None when step() lands it before
     # returning (overlap_param_update off), so no user code can write in between
     versions: tuple[int, ...] | None
+
+
+class UnitRoot(Protocol):
+    """What a unit and the hooks on it use of their root (root.RootState implements it;
+    root.py imports this module, so the unit knows its root by this interface)."""
+
+    units: list["AMSPUnit"]
+    collectives: "Collectives"  # every collective a unit issues goes through it
+    compression: Compression  # the codecs of the cross-node stages
+    overlap: "Overlap"  # overlap.param_update decides whether ``send`` records versions
+    optimizer_bound: bool  # an AMSPOptimizer owns the masters (no more fully_shard)
+
+    def enqueue(self, entry: InFlightStage) -> None:
+        """A unit issued a gradient stage: the root completes stages in issue order."""
+
+    def record_forward(self, unit: "AMSPUnit") -> None:
+        """A unit's forward pre-hook ran (the forward order sets the prefetch)."""
+
+    def on_unit_grads(self, unit: "AMSPUnit", flat_p: torch.Tensor) -> None:
+        """A unit's P-shard grads of this backward arrived (its gradient hook)."""
+
+    def after_fsdp_hook(self, unit: "AMSPUnit", hook_input: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook of ``unit`` is returning (stream order, streams.py)."""
 
 
 # ---- step states: each holds exactly its buffers ---------------------------------------
@@ -166,11 +189,13 @@ class AMSPUnit:
     # shapes, which the P, G and OS rows split. Empty without TP.
     tp_placements: list = field(default_factory=list)
     full_shapes: list[torch.Size] = field(default_factory=list)
-    root: object = None  # the root.RootState, once the root is sharded (root.py imports this)
+    root: "UnitRoot | None" = None  # the root.RootState, once the root is sharded
     _step: StepValue = field(default_factory=Idle)
     # error feedback of each compressed gradient stage (compression.py's Note): what its
     # codec dropped, kept across steps in the stage's input shape and dtype
     residuals: dict = field(default_factory=dict)
+    # inside accept_grads only: the hook's input when it is FSDP2's buffer (``_own``)
+    _borrowed: torch.Tensor | None = field(default=None, repr=False)
 
     def attach(self, root, prefixes: list[str]) -> None:
         """The root (root.RootState) now owns this unit; ``prefixes``: the FQN of each of
@@ -222,11 +247,15 @@ class AMSPUnit:
         state = Reducing if sync else Accumulating
         self._to(state(self.partial_grad, self.synced_grad, None))
         k_g = self.info.size("g")
-        if k_g == 1:
-            self._add_partial(flat_p)
+        if k_g > 1:
+            self._issue_stage(GradStage.G_REDUCE, "g", self.p_layout.pack(flat_p, k_g),
+                              "sync" if sync else "backward")
             return
-        self._issue_stage(GradStage.G_REDUCE, "g", self.p_layout.pack(flat_p, k_g),
-                          "sync" if sync else "backward")
+        self._borrowed = flat_p if self.uses_fsdp else None
+        try:
+            self._add_partial(flat_p)
+        finally:
+            self._borrowed = None
 
     def advance(self, entry: InFlightStage, result: torch.Tensor) -> None:
         """``entry``, this unit's stage in flight, completed with ``result``: run the
@@ -273,21 +302,35 @@ class AMSPUnit:
         """Issue ``stage`` over mesh dim ``dim``: the one place that picks its collective.
         G_REDUCE / OS_REDUCE reduce-scatter ``tensor`` ([k, m], pack's output) to this
         rank's m elements; REP_REDUCE all-reduces ``tensor`` in place. Each is the
-        compressed form (compression.py) when the stage has a codec, else exact."""
+        compressed form (compression.py) when the stage has a codec, else exact; either
+        way one PendingComm that owns the stage's buffers (collectives.py's Note:
+        buffers in flight)."""
         codec = self.grad_codec(dim)
         scatter = stage is not GradStage.REP_REDUCE
-        if codec is not None:
-            shape = tensor.shape if scatter else (
-                self.info.size(dim), compression.residual_rows(tensor.numel(), self.info.size(dim)))
-            residual = self._residual(stage, shape)
-            op = compression.reduce_scatter if scatter else compression.all_reduce
-            self._issue(stage, tensor, lambda c: op(c, tensor, residual, dim, phase, codec))
-        elif scatter:
-            out = tensor.new_empty(tensor.shape[1])
-            self._issue(stage, tensor, lambda c: c.reduce_scatter(out, tensor.view(-1), dim,
-                                                                  phase=phase))
-        else:
-            self._issue(stage, None, lambda c: c.all_reduce(tensor, dim, phase=phase))
+        comms = self.root.collectives
+        with self.profile_range(f"AMSP::{stage.value}_issue"):
+            if codec is not None:
+                shape = tensor.shape if scatter else (
+                    self.info.size(dim),
+                    compression.residual_rows(tensor.numel(), self.info.size(dim)))
+                op = compression.reduce_scatter if scatter else compression.all_reduce
+                pending = op(comms, tensor, self._residual(stage, shape), dim, phase, codec)
+            elif scatter:
+                pending = comms.reduce_scatter(tensor.new_empty(tensor.shape[1]),
+                                               tensor.view(-1), dim, phase=phase)
+            else:
+                pending = comms.all_reduce(self._own(tensor), dim, phase=phase)
+        entry = InFlightStage(self, stage, pending)
+        self._step = dataclasses.replace(self._step, stage=entry)
+        self.root.enqueue(entry)
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or a copy of it when it is the buffer this backward's hook was handed
+        by FSDP2 (its reduce-scatter output, FSDP2's until the hook returns: it casts it
+        for ``.grad`` afterwards): what an in-place collective may write (collectives.py's
+        Note: buffers in flight, rule 2). Only a step's single syncing micro-batch with
+        s_g = s_p = s_os and replicas hands that buffer to the replica all-reduce."""
+        return tensor.clone() if tensor is self._borrowed else tensor
 
     # ---- compression of the cross-node stages (compression.py) ---------------------
     def grad_codec(self, dim: str) -> str | None:
@@ -327,13 +370,6 @@ class AMSPUnit:
         """Residuals saved by ``residual_state`` (same plan, world and codec)."""
         self.residuals = {GradStage(name): r.to(self.grad_dtype()) for name, r in state.items()}
 
-    def _issue(self, stage: GradStage, keepalive, issue) -> None:
-        with self.profile_range(f"AMSP::{stage.value}_issue"):
-            pending = issue(self.root.collectives)
-        entry = InFlightStage(self, stage, pending, keepalive)
-        self._step = dataclasses.replace(self._step, stage=entry)
-        self.root.enqueue(entry)
-
     def _store_synced(self, os_shard: torch.Tensor) -> None:
         # Several syncing backwards in one step add up, as DDP's do.
         carried = self._step.carried
@@ -358,7 +394,7 @@ class AMSPUnit:
             self._to(Updated(grad))
         else:
             versions = self.write_versions() if self.root.overlap.param_update else None
-            self._to(Sending(grad, PendingUpdate(*issued, versions=versions)))
+            self._to(Sending(grad, PendingUpdate(issued, versions=versions)))
 
     @torch.no_grad()
     def land(self) -> list[str]:
@@ -396,7 +432,7 @@ class AMSPUnit:
         assert self.pending_update is None, "land the update before loading the masters"
         issued = param_update.issue(self, masters, self.root.collectives)
         if issued is not None:
-            param_update.unpack(self, issued[0])
+            param_update.unpack(self, issued)
 
     def drop_grads(self) -> None:
         """``zero_grad()``: no stage may be in flight (the root completes them first).

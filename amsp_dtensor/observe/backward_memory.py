@@ -8,7 +8,7 @@ holds at that moment:
 - every unit's ``grad_accum`` (G, accumulating) and ``grad_synced`` (the step's G in the
   OS layout);
 - every in-flight gradient collective's input kept alive until it completes
-  (``keepalive``: the packed send buffer) and its output (``pending.result``);
+  (``pending.input``: the packed send buffer) and its output (``pending.result``);
 - the hook's input (this unit's P-shard grads: FSDP2's reduce-scatter output when
   s_p > 1, the engine's flatten of the unit's grads when s_p = 1);
 - every unit param's ``.grad`` (the local tensor of a DTensor grad). With s_p = 1 these
@@ -78,7 +78,7 @@ def grad_census(state: "RootState", hook_input: torch.Tensor | None = None) -> t
         add("grad_accum", unit.partial_grad)
         add("grad_synced", unit.synced_grad)
     for entry in state.in_flight:
-        add("in_flight_keepalive", entry.keepalive)
+        add("in_flight_keepalive", entry.pending.input)
         add("in_flight_result", entry.pending.result)
     add("hook_input", hook_input)
     for unit in state.units:

@@ -3,7 +3,7 @@
 For code that watches torch's collective entry points from outside the engine (the
 engine records its own through Collectives): cost/validate.py times every call of a
 step, tools/bench_comm.py counts the baselines' calls. nbytes follows
-observe/recorder.py: the all-gather output, the reduce-scatter input, the all-reduce or
+engine/recorder.py: the all-gather output, the reduce-scatter input, the all-reduce or
 broadcast tensor.
 """
 

@@ -55,7 +55,7 @@ def step_buffer_bytes(model: nn.Module) -> dict[str, int]:
             synced += unit.synced_grad.numel() * unit.synced_grad.element_size()
         if unit.pending_update is not None:
             pending = unit.pending_update
-            for t in (pending.comm.result, pending.send_buf):
+            for t in (pending.comm.result, pending.comm.input):
                 gather += t.numel() * t.element_size()
     return {"synced_grad": synced, "gather": gather}
 

@@ -6,7 +6,7 @@ This subclass adds, through the same logger (TensorBoard/W&B):
   comm/{intra,inter}_node_bytes           bytes by locality of the group
   comm/exposed_seconds                    time this rank was blocked waiting for them
   comm/hidden_fraction                    1 - exposed / issue-to-completion time
-                                          (observe/recorder.py, Note: comm timing)
+                                          (engine/recorder.py, Note: comm timing)
   comm/compressed_bytes                   bytes sent in a codec (amsp.set_compression)
   amsp/residual_norm                      this rank's error-feedback residual norm
   memory_by_state/{param,grad,optim}(MiB) this rank's model states, amsp.memory_by_state
@@ -23,7 +23,7 @@ from typing import Any
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.tools.utils import device_type
 
-from ..observe.recorder import overlap_summary
+from ..engine.recorder import overlap_summary
 
 UNKNOWN_PEAK_KEYS = ("mfu(%)",)
 

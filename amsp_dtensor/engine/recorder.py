@@ -35,13 +35,15 @@ class CommEvent:
 
 
 # [Note: comm timing]
-# ``seconds`` runs from issue to completion: for gloo the completion is stamped by a
-# callback on the collective's future, so a collective that finished while compute ran
-# is not charged for the time until someone waited for it; elsewhere (NCCL, whose futures
-# follow CUDA streams; gloo's reduce-scatter, which has no future; a collective issued
-# synchronously) it is the time its wait returned, an upper bound. ``blocked_seconds`` is the time the issuing thread spent inside the wait:
-# the part of the collective compute did not hide. Summed over a step, that is the
-# exposed communication seen from this rank (TensorBoard's comm/exposed_seconds).
+# ``seconds`` runs from issue to completion, where completion is the first moment the
+# engine saw the collective done: ``PendingComm.done()`` (the step polls it to pick the
+# units whose gradients have landed) or the start of its wait, if it had completed by
+# then, else the time its wait returned. It is an upper bound: a collective that finished
+# while compute ran is charged until the engine next looked. (No callback on the
+# collective's future stamps it: that would run Python on the backend's own thread.)
+# ``blocked_seconds`` is the time the issuing thread spent inside the wait: the part of
+# the collective compute did not hide. Summed over a step, that is the exposed
+# communication seen from this rank (TensorBoard's comm/exposed_seconds).
 
 
 def overlap_summary(events) -> dict[str, float]:
