@@ -127,7 +127,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-CURRENT: dict = {"proc": None}
+CURRENT: dict = {"proc": None, "load": None}
 
 
 def kill_group(proc):
@@ -239,6 +239,7 @@ def run_one(args, config: str, system: str, index: int, out: Path) -> dict:
               "detail": detail, "rc": rc, "seconds": round(seconds, 1),
               "load_start": round(load0, 2), "load_end": round(load1, 2),
               "loss": final_loss(text, args.steps), "steps": args.steps,
+              "burners": len(CURRENT["load"].procs) if CURRENT["load"] else 0,
               "switches": switches, "src": str(args.src), "log": str(log_path),
               "utc": datetime.now(timezone.utc).strftime("%H:%M:%S")}
     with open(out / "runs.jsonl", "a") as f:
@@ -252,7 +253,7 @@ def line(r: dict) -> str:
     sw = f" [{','.join(r['switches'])}]" if r["switches"] else ""
     return (f"{r['utc']} {r['config']} {r['system']}{sw} #{r['index']}: {r['outcome']}, "
             f"{r['seconds']:.0f} s, loss at step {r['steps']} {r['loss']}, load "
-            f"{r['load_start']:.1f} -> {r['load_end']:.1f}"
+            f"{r['load_start']:.1f} -> {r['load_end']:.1f}, {r.get('burners', '?')} burners"
             + (f", {r['detail']}" if r["detail"] else "") + f"  ({r['log']})")
 
 
@@ -331,6 +332,7 @@ def main(argv=None) -> int:
     initial = args.burners if args.burners is not None else max(
         int(args.load) - CONFIGS[configs[0]][0], 2) if args.load > 0 else 0
     load = Load(args.load, initial, cap=max(int(args.load), 1) * 2)
+    CURRENT["load"] = load
 
     def stop(*_):
         kill_group(CURRENT["proc"])
@@ -354,8 +356,8 @@ def main(argv=None) -> int:
             r = run_one(args, config, systems[i % len(systems)], i // len(systems) + 1, out)
             records.append(r)
             print(line(r), flush=True)
+    print(f"\nburners: {len(load.procs)} at the end (stopped); tally ({out}/runs.jsonl):")
     load.close()
-    print(f"\nburners: {len(load.procs)} at the end; tally ({out}/runs.jsonl):")
     print(tally(records))
     return 1 if any(r["outcome"] == "crash" for r in records) else 0
 
