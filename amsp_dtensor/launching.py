@@ -44,11 +44,11 @@ def prepare_data_at(paths) -> None:
         ensure_assets(DEFAULT_ROOT)
 
 
-def refuse(error: Exception) -> int:
-    """A refused config: rank 0 prints the one line, every rank exits 2 (before any process
-    group exists)."""
+def refuse(error: Exception, prog: str = "amsp_dtensor.train") -> int:
+    """A refused config: rank 0 prints the one line (``<prog>: error: <error>``), every rank
+    exits 2 (before any process group exists)."""
     if _rank() == 0:
-        print(f"amsp_dtensor.train: error: {error}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun stops every rank once one has exited: the others wait, so rank 0
         # (which checked the same config) has printed the line before it is stopped

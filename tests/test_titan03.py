@@ -18,7 +18,9 @@ DTensor's random init depends on the layout). Same seed, same data, fp32, 20 ste
   torchtitan's losses;
 - the TOML maps onto 0.3's config, the config registry entries parse through torchtitan's
   own ConfigManager, and bad input (a key 0.3 removed, an unknown [amsp] key, a plan that
-  does not divide the world) stops with one line and exit 2 before any process group.
+  does not divide the world) stops with one line and exit 2 before any process group;
+  so does pipeline parallelism (not ported to 0.3) on every launch path, and an unknown
+  flag on the registry path (not tyro's box of help).
 """
 
 from __future__ import annotations
@@ -255,6 +257,79 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process_group(args, line):
     errors = [s for s in proc.stderr.splitlines() if "error" in s.lower()]
     assert len(errors) == 1 and errors[0].startswith(line), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+# Pipeline parallelism is refused on 0.3 the same way on every launch path (one line, exit
+# 2, before any process group): amsp_dtensor.train with the TOML, with a registry entry of
+# amsp_dtensor.titan.v03, with a registry entry made of torchtitan's own feature-test
+# configs (amsp_config), and torchtitan's own launcher (torchtitan.train.main, with the CPU
+# shims as .ci/titan03.sh runs it: on CPU its module imports triton before ours could shim it).
+PP_REFUSED = ("error: parallelism.pipeline_parallel_degree=2: AMSP on torchtitan 0.3 runs "
+              "without pipeline parallelism (not ported from 0.2.2 yet); set it to 1")
+FEATURE_ENTRIES = """
+from torchtitan_recipes.tests import features
+
+from amsp_dtensor.titan.v03.config_registry import amsp_config
+
+
+def fsdp2_pp2_1f1b():
+    return amsp_config(features.llama3_debugmodel_fsdp2_pp2_1f1b())
+
+
+def float8_emulate_lora_tp2_pp2():
+    return amsp_config(features.llama3_debugmodel_float8_emulate_lora_tp2_pp2())
+"""
+TITAN_LAUNCHER = ("from amsp_dtensor.titan.v03 import cpu_compat; cpu_compat.apply(); "
+                  "from torchtitan.train import main; main()")
+REGISTRY = ["--module", "amsp_dtensor.titan.v03", "--config", "llama3_debugmodel_amsp"]
+
+
+def _refused(argv: list[str], pythonpath: str = str(REPO)) -> str:
+    """The one error line of ``python <argv>`` on "rank 0 of 4" without a process group
+    (no MASTER_ADDR: one would fail), asserting exit 2, no traceback and no help box.
+    ("error:": torchtitan's launcher shows torch's pytree notes "... will be an error in
+    a future release" at torchao's import, which amsp_dtensor.train hides.)"""
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", WORLD_SIZE="4",
+               LOCAL_WORLD_SIZE="4", RANK="0")
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "╭" not in proc.stderr, proc.stderr[-2000:]
+    errors = [s for s in proc.stderr.splitlines() if "error:" in s.lower()]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    return errors[0]
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("path", ["toml", "registry", "torchtitan_feature_config",
+                                  "torchtitan_float8_lora_config", "torchtitans_launcher"])
+def test_pipeline_parallel_is_refused_in_one_line_on_every_launch_path(path, tmp_path):
+    pythonpath, prog = str(REPO), "amsp_dtensor.train"
+    if path == "toml":
+        argv = ["-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE), *PP2]
+    elif path == "registry":
+        argv = ["-m", "amsp_dtensor.train", *REGISTRY, *PP2]
+    elif path == "torchtitans_launcher":
+        argv, prog = ["-c", TITAN_LAUNCHER, *REGISTRY, *PP2], "amsp_dtensor.titan.v03"
+    else:  # pp = 2 set by torchtitan's own config, no flag
+        (tmp_path / "pp_entries.py").write_text(FEATURE_ENTRIES)
+        pythonpath = os.pathsep.join([str(REPO), str(tmp_path)])
+        name = ("fsdp2_pp2_1f1b" if path == "torchtitan_feature_config"
+                else "float8_emulate_lora_tp2_pp2")
+        argv = ["-m", "amsp_dtensor.train", "--module", "pp_entries", "--config", name]
+    assert _refused(argv, pythonpath) == f"{prog}: {PP_REFUSED}"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--amsp.bogus", "1"], "amsp.bogus: unknown key in [amsp]"),
+    (["--training.stepz", "1"], "--training.stepz: unknown flag for torchtitan 0.3's "
+                                "AmspTrainer.Config; did you mean --training.steps?"),
+], ids=["amsp-key", "misspelt-torchtitan-flag"])
+def test_an_unknown_flag_on_the_registry_path_is_one_line_not_a_help_box(args, line):
+    got = _refused(["-m", "amsp_dtensor.train", *REGISTRY, *args])
+    assert got.startswith(f"amsp_dtensor.train: error: {line}"), got
 
 
 def test_the_plan_is_resolved_once_and_bound_to_the_parallelize_fn(monkeypatch):

@@ -7,12 +7,16 @@ Two ways to name the job:
                                                         --module amsp_dtensor.titan.v03
                                                         --config llama3_debugmodel_amsp
 Then, before any process group: the AMSP checks and the one plan resolution
-(v03.trainer.prepare); a refused setting stops every rank with one line and exit 2. Then
+(v03.trainer.prepare); a refused setting, or a flag the config does not have, stops every
+rank with one line and exit 2. Then
 the offline data (when the paths point into outputs/amsp_data) and torchtitan's training
 loop with the AmspTrainer.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import difflib
 
 from ... import launching as launcher
 from . import cpu_compat
@@ -26,12 +30,12 @@ def load_config(argv: list[str]):
 
     if any(a in ("--module", "--config") or a.startswith(("--module=", "--config="))
            for a in argv):
-        from torchtitan.config import ConfigManager
-
+        from ..validate import check_amsp_flags
         from .trainer import AmspTrainer
 
+        check_amsp_flags(argv)  # an unknown --amsp.<key>: the TOML path's line
         try:
-            config = ConfigManager().parse_args(argv)
+            config = parse_registry_args(argv)
         except (ValueError, ImportError) as e:
             raise AmspConfigError(str(e).splitlines()[0]) from None
         if not isinstance(config, AmspTrainer.Config):
@@ -43,6 +47,48 @@ def load_config(argv: list[str]):
 
     values, _ = toml_config.read(argv)
     return toml_config.build(values), bool(values.get("amsp"))
+
+
+def parse_registry_args(argv: list[str]):
+    """torchtitan's ``ConfigManager().parse_args(argv)``, except that a flag the config
+    does not have is one AmspConfigError line naming it (tyro would print a box of help)."""
+    import tyro
+    from torchtitan.config import ConfigManager
+    from torchtitan.config.manager import custom_registry
+
+    from ..config import AmspConfigError
+
+    manager = ConfigManager()
+    loaded, args = manager._load_config(argv)  # the registry entry; --module/--config taken
+    config, unknown = tyro.cli(type(loaded), args=args, default=loaded,
+                               registry=custom_registry, return_unknown_args=True)
+    if unknown:
+        flag = next((a for a in unknown if a.startswith("-")), unknown[0])
+        name = flag.split("=", 1)[0]
+        if not name.startswith("-"):
+            raise AmspConfigError(f"{name!r}: unexpected argument (a value without its flag?)")
+        close = difflib.get_close_matches(name.replace("-", "_"), _flags(loaded), n=1)
+        hint = f"; did you mean {close[0]}?" if close else " (--help lists them)"
+        raise AmspConfigError(f"{name}: unknown flag for torchtitan 0.3's "
+                              f"{type(loaded).__qualname__}{hint}")
+    manager.config = config
+    manager._validate_config()
+    return config
+
+
+def _flags(config, prefix: str = "--") -> list[str]:
+    """The ``--section.key`` flags of a config's fields (underscore spelling), nested
+    dataclasses followed: the candidates for a misspelt flag."""
+    flags = []
+    for f in dataclasses.fields(config):
+        if not f.init:
+            continue
+        value = getattr(config, f.name, None)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            flags += _flags(value, f"{prefix}{f.name}.")
+        else:
+            flags.append(f"{prefix}{f.name}")
+    return flags
 
 
 def main(argv: list[str]) -> int:

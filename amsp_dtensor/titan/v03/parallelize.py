@@ -37,11 +37,7 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
             "(amsp_dtensor.titan.v03.AmspTrainer.Config, e.g. the *_amsp config registry "
             "entries, or python -m amsp_dtensor.train)")
     _blocks(model)  # one unit per transformer block, in model.layers
-    tp, pp = parallel_dims.tp, parallel_dims.pp
-    if pp > 1:
-        raise AmspConfigError(
-            f"parallelism.pipeline_parallel_degree={pp}: AMSP on torchtitan 0.3 runs without "
-            "pipeline parallelism (0.2.2's pipeline stages are not ported); set it to 1")
+    tp, pp = parallel_dims.tp, parallel_dims.pp  # pp is 1: v03.trainer.check_job
     mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job))
     full_init = job.amsp.init_full_model
     if tp > 1:

@@ -5,7 +5,8 @@ plus the ``amsp`` section (the keys of the TOML ``[amsp]`` table, ``titan.config
 (``v03.parallelize.amsp_model_spec``, as the ``*_amsp`` config registry entries set it),
 the trainer, before torchtitan's own ``__init__`` (so before any process group):
 resolves the plan once (``titan.validate.job_plan`` on ``v03.job.job_view``), refuses what
-AMSP cannot train on 0.3 in one line (``check_job``), binds the plan to the spec's
+AMSP cannot train on 0.3 in one line (``check_job``; under torchtitan's own launcher the
+trainer prints it and exits 2 itself), binds the plan to the spec's
 parallelize_fn, and makes the optimizer, metrics and text data loader components AMSP's
 (the loader resumes on another data-parallel world). It then runs
 the step of ``titan.steps.AmspSteps``. With any other ModelSpec it is torchtitan's
@@ -23,6 +24,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ... import launching as launcher
 from ..checkpoint_guard import refuse_misfits
 from ..reshard_data import Reshardable, dataloader_keys_before_load
 from ..config import Amsp, AmspConfigError
@@ -40,7 +42,16 @@ from .parallelize import bind, is_amsp
 
 
 def check_job(config) -> None:
-    """What AMSP cannot train on torchtitan 0.3, refused as one AmspConfigError line."""
+    """What AMSP cannot train on torchtitan 0.3, refused as one AmspConfigError line.
+    The one place for these refusals: every launch path (the TOML, ``--module/--config``,
+    torchtitan's own launcher) reaches it through ``prepare`` before any process group."""
+    pp = config.parallelism.pipeline_parallel_degree
+    if pp > 1:
+        # first: the plan resolution (titan.validate) reads 0.2.2's pipeline split, which
+        # 0.3 no longer has, and torchtitan would call the spec's pipelining_fn (none)
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_degree={pp}: AMSP on torchtitan 0.3 runs without "
+            "pipeline parallelism (not ported from 0.2.2 yet); set it to 1")
     if isinstance(config.loss, ChunkedLossWrapper.Config):
         raise AmspConfigError(
             "loss=ChunkedLossWrapper: it runs the lm_head chunk by chunk outside the model's "
@@ -77,8 +88,8 @@ def prepare(config):
     No-op (None) for a ModelSpec that is not AMSP's."""
     if not is_amsp(config.model_spec):
         return None
-    job = job_view(config)
     check_job(config)
+    job = job_view(config)
     plan = job_plan(job)  # validates [amsp] and [parallelism]; kept on config.amsp
     config.model_spec = bind(config.model_spec, plan, job)
     if type(config.optimizer) is OptimizersContainer.Config:
@@ -102,7 +113,13 @@ class AmspTrainer(AmspSteps, Trainer):
 
     def __init__(self, config: Config):
         self.amsp_plan = None
-        prepare(config)
+        try:
+            prepare(config)  # again after amsp_dtensor.train's check: the same plan object
+        except AmspConfigError as e:
+            # torchtitan's own launcher (python -m torchtitan.train --module
+            # amsp_dtensor.titan.v03 ...) builds the trainer without amsp_dtensor.train's
+            # check: the same one line and exit 2, still before any process group
+            raise SystemExit(launcher.refuse(e, prog="amsp_dtensor.titan.v03")) from None
         super().__init__(config)
         self.amsp_plan = amsp_plan_of(self.model_parts[0])
         amsp_cfg = config.amsp
