@@ -299,6 +299,17 @@ def fsdp_mixed_precision(mp_policy):
     return dataclasses.replace(mp_policy, reduce_dtype=mp_policy.param_dtype)
 
 
+def fsdp_reads_reduce_output_after_hook(reduce_dtype: torch.dtype,
+                                         param_dtype: torch.dtype) -> bool:
+    """Whether FSDP2 reads its reduce-scatter output after the all-reduce hook returns
+    (torch 2.11-2.15 ``foreach_reduce``): it casts the buffer to the sharded parameters'
+    dtype for ``.grad`` when the two dtypes differ; otherwise it only makes ``.grad``
+    views of it (no read: the engine drops those views, so nothing is accumulated into
+    them either). A collective that writes that buffer in place while FSDP2 may read it
+    must run on a copy (engine/collectives.py, Note: buffers in flight)."""
+    return reduce_dtype != param_dtype
+
+
 def fsdp_unsharded_grads(module: nn.Module) -> list:
     """The ``.grad`` of each unsharded param of a unit (None where there is none); read
     by tests of the memory model (cost/memory.py's backward moments)."""

@@ -9,10 +9,13 @@ caller's output, if that is still alive, and notes every caller tensor that was 
 before its wait. Plans cover every gradient stage (reduce-scatter over "g" and "os", the
 replica all-reduce, on FSDP2's own buffer too), the post-step all-gather landed in
 ``step()`` or in the next forward, and the compressed forms (int8 gradients, bf16
-weights). Then:
+weights); one case in bf16 with fp32 gradients. Then:
 
 - no buffer is freed before its wait, and training equals single-process training
   (so the stand-in's write-back is the collective's result);
+- the replica all-reduce runs in place on FSDP2's reduce-scatter output only where FSDP2
+  no longer reads it (fp32 throughout), and on a copy where FSDP2 still casts it for
+  ``.grad`` after the hook (bf16 parameters, fp32 gradients) (rule 2 of the Note);
 - with the engine's keepalive removed (a PendingComm that drops its ``input``, or the
   compressed forms' encoded chunks, ``held``), the stand-in sees the buffers freed: the
   check fails, so it would catch a keepalive dropped from the engine.
@@ -32,7 +35,8 @@ from amsp_dtensor.testing.scenarios import amsp_training, reference_training
 WORLD, PER_NODE, STEPS = 4, 2, 2
 EXACT = dict(rtol=1e-5, atol=1e-6)
 
-# name -> (plan, micro-batches, overlap_param_update, compression)
+# name -> (plan, micro-batches, overlap_param_update, compression[, reduce_dtype]); the
+# parameters are fp32, or bf16 where a reduce_dtype is given
 CASES = {
     # reduce-scatter over "g" (across nodes); post-step all-gather in the next forward
     "p1-g4-os4": ((1, 4, 4), 2, True, None),
@@ -44,6 +48,8 @@ CASES = {
     "p2-g4-os4-int8-bf16": ((2, 4, 4), 2, True, dict(grads="int8", weights="bf16")),
     # compressed replica all-reduce (all-to-all, then all-gather of the sums)
     "p2-g2-os2-int8": ((2, 2, 2), 2, False, dict(grads="int8")),
+    # bf16 parameters, fp32 gradients: FSDP2 casts its buffer after the hook
+    "p2-g2-os2-single-micro-batch-bf16": ((2, 2, 2), 1, False, None, torch.float32),
 }
 MUTANTS = {  # the engine's keepalive removed -> name of the case it runs
     "drop-input": "p1-g4-os4",
@@ -110,34 +116,59 @@ def _drop_keepalive(what: str) -> None:
         PendingComm.then = forgetful_then
 
 
-def _case(rank, world, plan, micro_batches, overlap, compression, mutant=None):
+def _spy_replica_reduce(shared: list) -> None:
+    """Note, for each replica all-reduce issued from a unit's hook, whether it runs on the
+    hook's own input (FSDP2's buffer) rather than a copy."""
+    from amsp_dtensor.engine.root import RootState
+
+    on_unit_grads = RootState.on_unit_grads
+
+    def spy(self, unit, flat_p):
+        on_unit_grads(self, unit, flat_p)
+        entry = unit.stage_in_flight
+        if entry is not None and entry.stage.value == "rep_reduce" and unit.uses_fsdp:
+            mine = entry.pending.input.untyped_storage().data_ptr()
+            shared.append(mine == flat_p.untyped_storage().data_ptr())
+
+    RootState.on_unit_grads = spy
+
+
+def _case(rank, world, plan, micro_batches, overlap, compression, reduce_dtype=None,
+          mutant=None):
     import gc
 
     from amsp_dtensor.engine import collectives
     from amsp_dtensor.engine.collectives import PendingComm
+    from amsp_dtensor.engine.root import RootState
 
-    saved = dict(collectives.LAUNCH), PendingComm.__init__, PendingComm.then
+    saved = (dict(collectives.LAUNCH), PendingComm.__init__, PendingComm.then,
+             RootState.on_unit_grads)
     _install_weak_backend()
+    shared = []
+    _spy_replica_reduce(shared)
     if mutant:
         _drop_keepalive(mutant)
     _WeakWork.freed = []
     gc.disable()  # weak references die when the last strong one goes, not at a collection
     try:
-        out = amsp_training(rank, world, plan, torch.float32, micro_batches, STEPS,
-                            overlap=overlap, compression=compression)
+        dtype = torch.float32 if reduce_dtype is None else torch.bfloat16
+        out = amsp_training(rank, world, plan, dtype, micro_batches, STEPS,
+                            overlap=overlap, compression=compression, reduce_dtype=reduce_dtype)
     finally:
         gc.enable()
         collectives.LAUNCH.clear()
         collectives.LAUNCH.update(saved[0])
-        PendingComm.__init__, PendingComm.then = saved[1], saved[2]
+        PendingComm.__init__, PendingComm.then, RootState.on_unit_grads = saved[1:]
     out["freed"] = sorted(set(_WeakWork.freed))
+    out["rep_on_hook_input"] = shared
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    cases = {name: partial(_case, plan=plan, micro_batches=mb, overlap=ov, compression=c)
-             for name, (plan, mb, ov, c) in CASES.items()}
+    cases = {name: partial(_case, plan=case[0], micro_batches=case[1], overlap=case[2],
+                           compression=case[3], reduce_dtype=(case[4:] or [None])[0])
+             for name, case in CASES.items()}
     for mutant, base in MUTANTS.items():
         plan, mb, ov, c = CASES[base]
         cases[mutant] = partial(_case, plan=plan, micro_batches=mb, overlap=ov, compression=c,
@@ -152,10 +183,14 @@ def references():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_buffer_lives_until_its_wait(results, references, name):
-    plan, micro_batches, _, compression = CASES[name]
+    plan, micro_batches, _, compression, *reduce_dtype = CASES[name]
     ranks = results.get(name)
     for rank, out in enumerate(ranks):
         assert out["freed"] == [], f"rank {rank}: freed before the wait: {out['freed']}"
+    if reduce_dtype:  # bf16: trains; the exactness of bf16 is test_reduce_dtype's
+        assert all(abs(a - b) < 0.05 * abs(b) for a, b in
+                   zip(ranks[0]["losses"], references[micro_batches]["losses"]))
+        return
     if compression:  # lossy: the codecs' own tests bound the error; here it must train
         assert all(abs(a - b) < 0.05 * abs(b) for a, b in
                    zip(ranks[0]["losses"], references[micro_batches]["losses"]))
@@ -165,6 +200,15 @@ def test_every_buffer_lives_until_its_wait(results, references, name):
                                **EXACT)
     for fqn, weight in want["weights"].items():
         torch.testing.assert_close(ranks[0]["weights"][fqn], weight, **EXACT, msg=fqn)
+
+
+def test_the_replica_all_reduce_never_writes_a_buffer_fsdp2_still_reads(results):
+    # one micro-batch, s_g = s_p = s_os = 2 with 2 replicas: every FSDP unit's replica
+    # all-reduce is issued from its hook on (a copy of) FSDP2's reduce-scatter output
+    fp32 = results.get("p2-g2-os2-single-micro-batch")[0]["rep_on_hook_input"]
+    bf16 = results.get("p2-g2-os2-single-micro-batch-bf16")[0]["rep_on_hook_input"]
+    assert fp32 and all(fp32), fp32  # in place: FSDP2 only views it after the hook
+    assert bf16 and not any(bf16), bf16  # a copy: FSDP2 casts it to bf16 after the hook
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))

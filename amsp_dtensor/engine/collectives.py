@@ -22,10 +22,11 @@ that safe, and this module is where both are kept:
 2. No shared buffer. A collective never writes a buffer that anyone else still reads or
    writes while it is in flight: the engine writes in place only into buffers it owns.
    The one buffer it is handed by another library, FSDP2's reduce-scatter output in the
-   all-reduce hook, is FSDP2's until the hook returns: FSDP2 reads it afterwards (its cast
-   to the parameters' dtype for ``.grad``), so the engine may keep it and read it, but a
-   collective that writes in place (the replica all-reduce) runs on a copy of it
-   (unit.py, ``AMSPUnit._own``).
+   all-reduce hook, is FSDP2's until the hook returns, and FSDP2 reads it afterwards when
+   it casts it to the parameters' dtype for ``.grad``
+   (``compat.fsdp_reads_reduce_output_after_hook``): the engine may keep it and read it,
+   but in that case a collective that writes in place (the replica all-reduce) runs on a
+   copy of it (unit.py, ``AMSPUnit._own``).
 """
 
 from __future__ import annotations

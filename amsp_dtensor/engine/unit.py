@@ -326,11 +326,15 @@ class AMSPUnit:
 
     def _own(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, or a copy of it when it is the buffer this backward's hook was handed
-        by FSDP2 (its reduce-scatter output, FSDP2's until the hook returns: it casts it
-        for ``.grad`` afterwards): what an in-place collective may write (collectives.py's
-        Note: buffers in flight, rule 2). Only a step's single syncing micro-batch with
+        by FSDP2 (its reduce-scatter output, FSDP2's until the hook returns) and FSDP2
+        still reads it afterwards (its cast for ``.grad`` when the gradient dtype is not
+        the parameters'): what an in-place collective may write (collectives.py's Note:
+        buffers in flight, rule 2). Only a step's single syncing micro-batch with
         s_g = s_p = s_os and replicas hands that buffer to the replica all-reduce."""
-        return tensor.clone() if tensor is self._borrowed else tensor
+        if tensor is self._borrowed and compat.fsdp_reads_reduce_output_after_hook(
+                tensor.dtype, self.first_local().dtype):
+            return tensor.clone()
+        return tensor
 
     # ---- compression of the cross-node stages (compression.py) ---------------------
     def grad_codec(self, dim: str) -> str | None:
