@@ -662,6 +662,18 @@ def titan03_optimizers_container_post_init(container, all_params: list) -> None:
     container._post_init(all_params)
 
 
+def titan03_load_registry_config(manager, argv: list[str]):
+    """torchtitan 0.3's ConfigManager reading ``--module/--config`` from ``argv``: (the
+    registry entry's config, the arguments left for tyro) (0.3 keeps it private)."""
+    return manager._load_config(argv)
+
+
+def titan03_validate_config(manager) -> None:
+    """torchtitan 0.3's ConfigManager checks of ``manager.config``, as its parse_args runs
+    them after tyro (0.3 keeps them private)."""
+    manager._validate_config()
+
+
 def titan_builtin_models() -> frozenset:
     """Names of the model folders torchtitan 0.2.2 ships (``torchtitan.models``)."""
     import torchtitan.models as models

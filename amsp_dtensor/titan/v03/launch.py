@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
+from ... import compat
 from ... import launching as launcher
 from . import cpu_compat
 
@@ -59,7 +60,8 @@ def parse_registry_args(argv: list[str]):
     from ..config import AmspConfigError
 
     manager = ConfigManager()
-    loaded, args = manager._load_config(argv)  # the registry entry; --module/--config taken
+    # the registry entry; --module/--config taken
+    loaded, args = compat.titan03_load_registry_config(manager, argv)
     config, unknown = tyro.cli(type(loaded), args=args, default=loaded,
                                registry=custom_registry, return_unknown_args=True)
     if unknown:
@@ -72,7 +74,7 @@ def parse_registry_args(argv: list[str]):
         raise AmspConfigError(f"{name}: unknown flag for torchtitan 0.3's "
                               f"{type(loaded).__qualname__}{hint}")
     manager.config = config
-    manager._validate_config()
+    compat.titan03_validate_config(manager)
     return config
 
 
