@@ -152,6 +152,7 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining._backward", "stage_backward_weight"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
+    ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
@@ -612,6 +613,16 @@ def settle_async_collective(value):
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
+
+
+def all_to_all_autograd(input: torch.Tensor, output_split_sizes: list[int],
+                        input_split_sizes: list[int], group) -> torch.Tensor:
+    """An all-to-all with uneven splits that autograd differentiates (its backward is the
+    all-to-all back): expert parallelism's token dispatch, as torchtitan's."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    out = all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, group)
+    return settle_async_collective(out)
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------

@@ -138,7 +138,8 @@ class _RecordedWork(dist.Work):
 
 
 class Collectives:
-    """Collectives over named dims of one AMSP mesh, recorded as CommEvents."""
+    """Collectives over named dims of one AMSP mesh, recorded as CommEvents (named by
+    ``MeshInfo.label``: "os", or on an expert mesh "expert_os")."""
 
     def __init__(self, info: MeshInfo):
         self.info = info
@@ -149,7 +150,7 @@ class Collectives:
             return None
         return dict(
             op=op,
-            dim=dim,
+            dim=self.info.label(dim),
             group_size=self.info.size(dim),
             nbytes=nbytes,
             inter_node=self.info.crosses_nodes(dim),
@@ -166,7 +167,7 @@ class Collectives:
             return self._event_args(op, "p", nbytes, phase)
         return dict(
             op=op,
-            dim="p_hpz",
+            dim=self.info.label("p_hpz"),
             group_size=dist.get_world_size(group),
             nbytes=nbytes,
             inter_node=self.info.group_crosses_nodes(group),

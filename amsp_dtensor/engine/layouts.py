@@ -195,7 +195,7 @@ def gather_full(dtensor) -> torch.Tensor:
     wrong order, although each rank's local rows and offsets are right
     (``distribute_tensor(t, mesh, OS_PLACEMENTS).full_tensor() != t`` for plan p2-g2-os4
     on 4 ranks). We gather (offset, piece) from the ranks holding one full copy instead:
-    the "shard" group, and under tensor parallelism the "tp" group too.
+    the "shard" group, and under tensor (expert) parallelism the "tp" ("ep") group too.
     """
     import torch.distributed as dist
 
@@ -204,7 +204,7 @@ def gather_full(dtensor) -> torch.Tensor:
 
     info = mesh_info(dtensor.device_mesh)
     pieces = [(tuple(global_offset(dtensor)), dtensor.to_local().detach().cpu())]
-    for dim in ("shard", "tp") if info.tp > 1 else ("shard",):
+    for dim in ("shard", info.mp_dim) if info.tp > 1 else ("shard",):
         gathered = [None] * info.size(dim)
         dist.all_gather_object(gathered, pieces, group=info.group(dim))
         pieces = [piece for rank_pieces in gathered for piece in rank_pieces]

@@ -30,6 +30,21 @@ node are min(R, W/pp)/tp. Parameters, masters and collectives live on the stage'
 sub-mesh (``MeshInfo.mesh``): a module sharded on a pp mesh is a model of that stage
 alone, exactly as without pp; only the global grad norm reaches across stages (over
 ``MeshInfo.pp_group``). With ``pp = 1`` the mesh is the one above, unchanged.
+
+[Note: expert parallelism] A mixture-of-experts model has two parameter groups, each with
+its own plan. Dense parameters are replicas over the whole data-parallel world and use
+the mesh above. Expert parameters are split by expert parallelism (EP, degree ep) over ep
+consecutive data-parallel ranks, as torchtitan carves "ep" out of its innermost
+data-parallel dims, and the ranks holding the same experts (one per EP group: W/ep ranks,
+R/ep per node, or 1 when an EP group spans nodes) are their data-parallel world. With
+``ep > 1`` or an ``expert_plan``, ``init_mesh`` also builds the expert mesh, ("ep", "rep",
+"p", "g", "os"), over the same ranks: it is the tensor-parallel mesh above with "ep" in
+the place of "tp" (first in DTensor order, fastest in rank order: DP rank = e * ep + ep_i,
+e the expert-world rank from the formula), and the expert plan resolved over the expert
+world. A grouped expert weight [experts, ...] split by EP as Shard(0) on "ep" and by AMSP
+on the rows of its EP-local piece reads as Shard(0) on "ep", then "p", "g", "os": the
+TP nesting rule again. ``MeshInfo.mp_dim`` names that first dim ("tp" or "ep"), and the
+expert mesh records its collectives as "expert_p", "expert_g", ... (``label``).
 """
 
 from __future__ import annotations
@@ -45,13 +60,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import handle
 from ..plan import ResolvedPlan, ShardingPlan
-from ..plan.sharding_plan import data_parallel_world, resolve_factor
+from ..plan.sharding_plan import data_parallel_world, expert_parallel_world, resolve_factor
 
 MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
 PP_DIM = "pp"
+EP_DIM = "ep"
+EXPERT_PREFIX = "expert_"  # how the expert mesh's collectives are recorded ("expert_p")
 
-__all__ = ["MESH_DIMS", "PP_DIM", "TP_DIM", "init_mesh", "MeshInfo", "mesh_info"]
+__all__ = ["EP_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM", "expert_mesh", "init_mesh", "MeshInfo",
+           "mesh_info"]
 
 
 @dataclass
@@ -60,12 +78,19 @@ class MeshInfo:
 
     mesh: DeviceMesh
     plan: ResolvedPlan  # resolved over the data-parallel world (W / tp ranks)
-    tp: int = 1  # tensor-parallel degree: the size of the "tp" dim (no such dim when 1)
+    # the size of the model-parallel dim first in DTensor order, ``mp_dim``: the tensor-
+    # parallel degree ("tp"), or on an expert mesh the expert-parallel one ("ep"); no
+    # such dim when 1 (the Notes on tensor and expert parallelism)
+    tp: int = 1
     # pipeline-parallel degree, and the job's mesh with its "pp" dim (``mesh`` is then this
     # stage's sub-mesh: the Note on pipeline parallelism); None when pp is 1
     pp: int = 1
     pp_mesh: DeviceMesh | None = None
     job_ranks_per_node: int | None = None  # set when pp > 1 (a stage may be under a node)
+    mp_dim: str = TP_DIM
+    label_prefix: str = ""  # EXPERT_PREFIX on an expert mesh (what the recorder names)
+    # on a dense mesh built with ep > 1 or an expert_plan: the expert mesh's MeshInfo
+    expert: "MeshInfo | None" = None
     _groups: dict = field(default_factory=dict)
     _crosses_nodes: dict = field(default_factory=dict)
 
@@ -98,9 +123,19 @@ class MeshInfo:
         """The group of this rank's pipeline (one rank per stage); None without pp."""
         return self.pp_mesh[PP_DIM].get_group() if self.pp_mesh is not None else None
 
+    @property
+    def is_expert(self) -> bool:
+        return self.mp_dim == EP_DIM
+
     def tp_mesh(self) -> DeviceMesh | None:
-        """The 1-D "tp" sub-mesh, for ``parallelize_module`` (None without TP)."""
-        return self.mesh[TP_DIM] if self.tp > 1 else None
+        """The 1-D model-parallel sub-mesh ("tp", or "ep" on an expert mesh) that the
+        parameters are DTensors on (None when that degree is 1)."""
+        return self.mesh[self.mp_dim] if self.tp > 1 else None
+
+    def label(self, dim: str) -> str:
+        """How the recorder and the cost model name a collective over ``dim``: the dim,
+        prefixed on an expert mesh for the data-parallel dims ("expert_os")."""
+        return dim if dim in (self.mp_dim, PP_DIM) else self.label_prefix + dim
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """Process group of a mesh dim, or "shard" = p x g x os (one full model copy)."""
@@ -117,7 +152,7 @@ class MeshInfo:
     def size(self, dim: str) -> int:
         if dim == "shard":
             return self.plan.s_os
-        if dim == TP_DIM:
+        if dim == self.mp_dim:
             return self.tp
         if dim == PP_DIM:
             return self.pp
@@ -201,6 +236,8 @@ def init_mesh(
     device_type: str | None = None,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    expert_plan: ShardingPlan | ResolvedPlan | None = None,
 ) -> DeviceMesh:
     """Build the AMSP DeviceMesh for ``plan`` over the default process group.
 
@@ -218,6 +255,11 @@ def init_mesh(
     gets a "pp" dim first, and the plan's factors are those of one stage's data-parallel
     world (world / pp / tp ranks). Shard each stage's module on this mesh, and hand
     ``mesh["pp"].get_group()`` to torch's ``PipelineStage``.
+    ``ep`` and ``expert_plan``: expert parallelism and the experts' own plan (the Note on
+    expert parallelism); with either, ``amsp.expert_mesh(mesh)`` is the mesh to split the
+    experts over (its "ep" dim) and to shard them on. ``expert_plan`` defaults to
+    ``plan`` read on the expert world (a ShardingPlan's names, such as "node", resolve
+    there; ints must fit it).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -232,54 +274,116 @@ def init_mesh(
         world_size, ranks_per_node = _stage_world(pp, ranks_per_node, world_size)
     _check_tp(tp, ranks_per_node, world_size)
     dp_world, dp_per_node = world_size // tp, ranks_per_node // tp
+    resolved = _resolved(plan, "plan", dp_world, dp_per_node, tp, pp)
+    # every check before the first group is made: a bad ep or expert plan leaves nothing
+    expert = _resolved_expert(plan, expert_plan, ep, dp_world, dp_per_node, tp, pp)
+    device_type = device_type or _default_device_type()
+    dims = (job_world, job_per_node, pp)
+    info = _build(resolved, device_type, *dims, tp, TP_DIM, "")
+    if expert is not None:
+        info.expert = _build(expert, device_type, *dims, ep, EP_DIM, EXPERT_PREFIX)
+    return info.pp_mesh or info.mesh
+
+
+def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The expert mesh of a mesh made by ``init_mesh(plan, ep=N, expert_plan=...)``:
+    split the experts over its "ep" dim and shard them on it (``amsp.fully_shard(experts,
+    mesh=amsp.expert_mesh(mesh))``)."""
+    info = mesh_info(mesh)
+    if info.is_expert:
+        return mesh
+    if info.expert is None:
+        raise ValueError(
+            "this mesh has no expert mesh: build it with amsp.init_mesh(plan, ep=N) (expert "
+            "parallelism) or amsp.init_mesh(plan, expert_plan=...) (experts on their own plan)")
+    return info.expert.pp_mesh or info.expert.mesh
+
+
+def _resolved(plan, key: str, dp_world: int, dp_per_node: int, tp: int, pp: int,
+              world: str = "") -> ResolvedPlan:
+    """``plan`` (``key``: what the caller named it) resolved for its data-parallel world
+    of ``dp_world`` ranks, ``dp_per_node`` per node; ``world``: what that world is, when
+    it is not the job's data-parallel world."""
     if isinstance(plan, ResolvedPlan):
         if plan.world_size != dp_world or plan.ranks_per_node != dp_per_node:
             under = " and ".join(f"{n}={d}" for n, d in (("pp", pp), ("tp", tp)) if d > 1)
             under = f" under {under}" if under else ""
             raise ValueError(
-                f"plan was resolved for world {plan.world_size} x {plan.ranks_per_node} per "
-                f"node, but this job has {dp_world} data-parallel ranks, {dp_per_node} per "
-                f"node{under}: pass the ShardingPlan itself, or resolve it for this job with "
-                f".resolve({dp_world}, {dp_per_node})"
+                f"{key} was resolved for world {plan.world_size} x {plan.ranks_per_node} per "
+                f"node, but this job has {dp_world} {world or 'data-parallel'} ranks, "
+                f"{dp_per_node} per node{under}: pass the ShardingPlan itself, or resolve it "
+                f"for this job with .resolve({dp_world}, {dp_per_node})"
             )
-        resolved = plan
-    elif isinstance(plan, ShardingPlan):
-        resolved = _resolve_under_tp(plan, dp_world, dp_per_node, tp, pp)
+        return plan
+    if isinstance(plan, ShardingPlan):
+        if world:
+            try:
+                return plan.resolve(dp_world, dp_per_node)
+            except ValueError as e:
+                raise ValueError(f"{key}: the expert plan's factors are those of the {world} "
+                                 f"({dp_world} ranks, {dp_per_node} per node): {e}") from None
+        return _resolve_under_tp(plan, dp_world, dp_per_node, tp, pp)
+    raise TypeError(
+        f"{key} must be amsp.ShardingPlan (or a resolved plan), got {type(plan).__name__}"
+    )
+
+
+def _resolved_expert(plan, expert_plan, ep, dp_world, dp_per_node, tp, pp):
+    """The expert plan resolved over the expert world, or None when there is no expert
+    mesh (ep 1 and no expert_plan)."""
+    if expert_plan is None and ep == 1 and not isinstance(ep, bool):
+        return None
+    e_world, e_per_node = expert_parallel_world(dp_world, dp_per_node, ep)
+    if tp > 1:
+        raise ValueError(
+            f"ep={ep} with tp={tp}: expert parallelism with tensor parallelism is not "
+            "supported yet; use tp=1 (experts and dense layers data-parallel) or ep=1")
+    if expert_plan is None:
+        if isinstance(plan, ResolvedPlan):
+            plan = ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
+        key, expert_plan = "plan (the expert plan by default; pass expert_plan=)", plan
     else:
-        raise TypeError(
-            f"plan must be amsp.ShardingPlan (or a resolved plan), got {type(plan).__name__}"
-        )
-    device_type = device_type or _default_device_type()
-    if pp > 1:
-        return _init_pipeline_mesh(resolved, device_type, job_world, job_per_node, tp, pp)
-    shape = resolved.mesh_shape
-    if tp == 1:
-        rank_tensor = (
-            torch.arange(world_size)
-            .reshape(shape["rep"], shape["os"], shape["g"], shape["p"])
-            .permute(0, 3, 2, 1)
-            .contiguous()
-        )
-        mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=MESH_DIMS)
-    else:  # the Note above: "tp" first in DTensor order, fastest in rank order
-        rank_tensor = (
-            torch.arange(world_size)
-            .reshape(shape["rep"], shape["os"], shape["g"], shape["p"], tp)
-            .permute(4, 0, 3, 2, 1)
-            .contiguous()
-        )
-        mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=(TP_DIM, *MESH_DIMS))
-    info = MeshInfo(mesh, resolved, tp=tp)
+        key = "expert_plan"
+    world = (f"expert world: the ranks holding the same experts, one per ep={ep} group "
+             "of each stage" if pp > 1 else
+             f"expert world: the ranks holding the same experts, one per ep={ep} group")
+    return _resolved(expert_plan, key, e_world, e_per_node, tp, pp, world=world)
+
+
+def _build(resolved: ResolvedPlan, device_type: str, job_world: int, job_per_node: int,
+           pp: int, mp: int, mp_dim: str, label_prefix: str) -> MeshInfo:
+    """One AMSP mesh over the job: (["pp",] [mp_dim,] "rep", "p", "g", "os"), with every
+    group made now (the Notes at the top)."""
+    stage_world = job_world // pp
+    stage = _stage_rank_tensor(resolved.mesh_shape, stage_world, mp)
+    stage_dims = (*((mp_dim,) if mp > 1 else ()), *MESH_DIMS)
+    if pp == 1:
+        mesh = stage_mesh = DeviceMesh(device_type, stage.contiguous(),
+                                       mesh_dim_names=stage_dims)
+        job_mesh = None
+    else:
+        rank_tensor = torch.stack([stage + i * stage_world for i in range(pp)]).contiguous()
+        job_mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=(PP_DIM, *stage_dims))
+        stage_mesh = job_mesh[stage_dims]
+    # a dense mesh without pp keeps its ranks per node from its plan (job_ranks_per_node
+    # None), as before expert meshes existed
+    per_node = job_per_node if (pp > 1 or label_prefix) else None
+    info = MeshInfo(stage_mesh, resolved, tp=mp, pp=pp, pp_mesh=job_mesh,
+                    job_ranks_per_node=per_node, mp_dim=mp_dim, label_prefix=label_prefix)
     # Make every group now: group creation is collective, so doing it lazily (say, at the
     # first clip_grad_norm_) would hang if one rank got there by another path.
-    for dim in (*MESH_DIMS, "shard", *((TP_DIM,) if tp > 1 else ())):
+    for dim in (*MESH_DIMS, "shard", *((mp_dim,) if mp > 1 else ())):
         info.group(dim)
-    handle.set_mesh_info(mesh, info)
-    return mesh
+    if job_mesh is not None:
+        info.pp_group  # made now, on every rank (group creation is collective)
+        handle.set_mesh_info(job_mesh, info)
+    handle.set_mesh_info(stage_mesh, info)
+    return info
 
 
 def _stage_rank_tensor(shape: dict, stage_world: int, tp: int) -> torch.Tensor:
-    """The rank tensor of one stage's mesh (stage-local ranks), as init_mesh builds it."""
+    """The rank tensor of one stage's mesh (stage-local ranks), as init_mesh builds it;
+    ``tp``: the size of the model-parallel dim (fastest in rank order)."""
     if tp == 1:
         return (torch.arange(stage_world)
                 .reshape(shape["rep"], shape["os"], shape["g"], shape["p"])
@@ -287,24 +391,6 @@ def _stage_rank_tensor(shape: dict, stage_world: int, tp: int) -> torch.Tensor:
     return (torch.arange(stage_world)
             .reshape(shape["rep"], shape["os"], shape["g"], shape["p"], tp)
             .permute(4, 0, 3, 2, 1))
-
-
-def _init_pipeline_mesh(resolved, device_type, world_size, ranks_per_node, tp, pp):
-    """The Note on pipeline parallelism: ("pp", ["tp",] "rep", "p", "g", "os")."""
-    stage_world = world_size // pp
-    stage = _stage_rank_tensor(resolved.mesh_shape, stage_world, tp)
-    rank_tensor = torch.stack([stage + i * stage_world for i in range(pp)]).contiguous()
-    stage_dims = (*((TP_DIM,) if tp > 1 else ()), *MESH_DIMS)
-    mesh = DeviceMesh(device_type, rank_tensor, mesh_dim_names=(PP_DIM, *stage_dims))
-    stage_mesh = mesh[stage_dims]
-    info = MeshInfo(stage_mesh, resolved, tp=tp, pp=pp, pp_mesh=mesh,
-                    job_ranks_per_node=ranks_per_node)
-    for dim in (*MESH_DIMS, "shard", *((TP_DIM,) if tp > 1 else ())):
-        info.group(dim)
-    info.pp_group  # made now, on every rank (group creation is collective)
-    handle.set_mesh_info(mesh, info)
-    handle.set_mesh_info(stage_mesh, info)
-    return mesh
 
 
 def _stage_world(pp, ranks_per_node: int, world_size: int) -> tuple[int, int]:

@@ -169,11 +169,13 @@ class AMSPOptimizer(torch.optim.Optimizer):
             )
         if optimizer_class not in ELEMENTWISE_OPTIMIZERS and optimizer_class not in SHARDED_OPTIMIZERS:
             raise ValueError(_not_elementwise_message(optimizer_class))
-        if optimizer_class in SHARDED_OPTIMIZERS and root_state(model).info.tp > 1:
+        info = root_state(model).info
+        if optimizer_class in SHARDED_OPTIMIZERS and (info.tp > 1 or info.expert):
+            what = "tensor parallelism" if info.tp > 1 else "an expert mesh"
             raise ValueError(
-                f"{optimizer_class.__name__} with tensor parallelism is not supported: its "
-                "factored moments would also need sums over the tensor-parallel ranks; use "
-                f"one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
+                f"{optimizer_class.__name__} with {what} is not supported: its factored "
+                "moments would also need sums over the tensor-parallel ranks or the expert "
+                f"mesh's groups; use one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
             )
         if not isinstance(overlap_param_update, bool):
             raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
@@ -372,10 +374,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
             shape=shape, stride=_contiguous_stride(shape),
         )
 
-    def _local_grads(self) -> list[torch.Tensor]:
-        grads = [p.grad for p in self._opt_params if p.grad is not None]
-        return grads
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over ALL params of the model (every rank gets the same value).
@@ -393,27 +391,56 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     def _norm_total(self, norm_type: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(this model's sum of |g|^norm_type (max for inf) over every rank of its stage,
-        this rank's master grads)."""
+        this rank's master grads). Each mesh's units (the dense mesh's, the expert
+        mesh's) are summed over the ranks holding one copy of them, then added."""
         self._prepare_master_grads()
-        grads = self._local_grads()
         device = self._masters[0].device if self._masters else torch.device("cpu")
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        totals, grads = [], []
+        for info, units in self._units_by_mesh():
+            total, own = self._mesh_norm_total(info, units, norm_type, device)
+            if info.size("shard") > 1:
+                units[0].collectives.all_reduce(total, "shard", phase="step", op=op).wait()
+            if info.tp > 1:  # TP (EP) pieces: each tp (ep) rank holds another one
+                units[0].collectives.all_reduce(total, info.mp_dim, phase="step",
+                                                op=op).wait()
+            totals.append(total)
+            grads.extend(own)
+        if not totals:
+            return torch.zeros(1, device=device), grads
+        if len(totals) == 1:
+            return totals[0], grads
+        stacked = torch.stack(totals)
+        return (stacked.amax(0) if math.isinf(norm_type) else stacked.sum(0)), grads
+
+    def _units_by_mesh(self) -> list[tuple]:
+        """[(MeshInfo, its units)]: the dense mesh's first, then the expert mesh's."""
+        by_info: dict[int, tuple] = {}
+        for unit, _ in self._unit_masters:
+            by_info.setdefault(id(unit.info), (unit.info, []))[1].append(unit)
+        return sorted(by_info.values(), key=lambda pair: pair[0].is_expert)
+
+    def _mesh_norm_total(self, info, units, norm_type: float, device):
+        """(this rank's sum of |g|^norm_type (max) over ``units``' master grads, those
+        grads); under TP, a param every tp rank holds whole counts on tp rank 0 only."""
+        own, counted = [], []
+        skip_replicated = info.tp > 1 and info.coordinate[info.mp_dim] != 0
+        for unit in units:
+            start, masters = self._unit_slices[id(unit)]
+            for j in range(start, start + len(masters)):
+                grad = self._opt_params[j].grad
+                if grad is None:
+                    continue
+                own.append(grad)
+                if not (skip_replicated and self._tp_replicated[j]):
+                    counted.append(grad)
         if math.isinf(norm_type):
-            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
-            total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
-            op = dist.ReduceOp.MAX
-        else:
-            counted = grads
-            if self._root.info.tp > 1 and self._root.info.coordinate["tp"] != 0:
-                counted = [p.grad for p, replicated in zip(self._opt_params, self._tp_replicated)
-                           if p.grad is not None and not replicated]
-            local = sum((g.abs().pow(norm_type).sum() for g in counted), torch.zeros((), device=device))
-            total = local.to(torch.float32).reshape(1)
-            op = dist.ReduceOp.SUM
-        if self._root.info.size("shard") > 1:
-            self._root.collectives.all_reduce(total, "shard", phase="step", op=op).wait()
-        if self._root.info.tp > 1:  # TP-sharded params: each tp rank holds another piece
-            self._root.collectives.all_reduce(total, "tp", phase="step", op=op).wait()
-        return total, grads
+            local = max((g.abs().max() for g in own if g.numel()),
+                        default=torch.zeros((), device=device))
+            return torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1), own
+        local = sum((g.abs().pow(norm_type).sum() for g in counted),
+                    torch.zeros((), device=device))
+        return local.to(torch.float32).reshape(1), own
 
     # ---- step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -707,12 +734,18 @@ class AMSPOptimizer(torch.optim.Optimizer):
             run_check=False, shape=full.shape, stride=_contiguous_stride(full.shape),
         )
 
-    def memory_bytes(self) -> int:
+    def memory_bytes(self, units: list | None = None) -> int:
         """Bytes of per-element OS tensors on this rank: masters + states shaped like them
-        (a master that is a view into an fp32 P shard is counted as P, not here)."""
+        (a master that is a view into an fp32 P shard is counted as P, not here); of
+        ``units`` only when given."""
         p_storages = {storage for _, views in self._aliases for storage in views.values()}
         total = 0
-        for master, opt_param in zip(self._masters, self._opt_params):
+        indices = range(len(self._masters)) if units is None else [
+            j for u in units for j in range(self._unit_slices[id(u)][0],
+                                            self._unit_slices[id(u)][0]
+                                            + len(self._unit_slices[id(u)][1]))]
+        for j in indices:
+            master, opt_param = self._masters[j], self._opt_params[j]
             local = master.to_local()
             if local.untyped_storage().data_ptr() not in p_storages:
                 total += local.numel() * local.element_size()

@@ -90,6 +90,10 @@ class RootState:
 
     @property
     def divide_factor(self) -> float:
+        """What the summed gradients are divided by: the data-parallel world (the mean
+        over its ranks' batches), for the experts too. An expert's gradient summed over
+        its expert world already holds every rank's tokens, which EP's all-to-all brought
+        to it; torchtitan divides its expert gradients by the same factor."""
         if self.gradient_divide_factor is None:
             return float(self.info.plan.world_size) * self.pipeline_grad_scale
         return self.gradient_divide_factor * self.pipeline_grad_scale
@@ -147,10 +151,11 @@ class RootState:
         return setting
 
     def _crossing_stages(self) -> list[str]:
-        """The mesh dims of this plan's gradient stages and post-step all-gather that span
-        nodes (what compression can apply to)."""
-        sizes = {dim: self.info.size(dim) for dim in ("g", "os", "rep")}
-        return [dim for dim, size in sizes.items() if size > 1 and self.info.crosses_nodes(dim)]
+        """The mesh dims of this plan's (and the expert plan's) gradient stages and
+        post-step all-gather that span nodes (what compression can apply to)."""
+        infos = [self.info, *((self.info.expert,) if self.info.expert else ())]
+        return [info.label(dim) for info in infos for dim in ("g", "os", "rep")
+                if info.size(dim) > 1 and info.crosses_nodes(dim)]
 
     def bind_optimizer(self, overlap_param_update: bool) -> None:
         self.optimizer_bound = True
@@ -278,7 +283,7 @@ class RootState:
         sync), an OS reduce-scatter when a replica all-reduce follows it."""
         if entry.stage is GradStage.G_REDUCE:
             return True
-        return entry.stage is GradStage.OS_REDUCE and self.info.size("rep") > 1
+        return entry.stage is GradStage.OS_REDUCE and entry.unit.info.size("rep") > 1
 
     def _flush_unfired(self, unit: AMSPUnit) -> None:
         """A unit without grads this backward still joins the collectives, with zeros for

@@ -25,7 +25,7 @@ from .mesh import mesh_info
 from ..plan import ResolvedPlan, ShardingPlan
 from .fqn import clean_fqn
 from .layouts import FlatLayout
-from .mesh import MeshInfo
+from .mesh import EP_DIM, MeshInfo
 from .root import RootState
 from .unit import AMSPUnit
 
@@ -181,6 +181,8 @@ def fully_shard(
     """
     modules = _as_module_list(module)
     info = _check_args(modules, mesh, plan, mp_policy, reshard_after_forward)
+    if info.is_expert:
+        _check_expert_unit(modules)
     mp_policy = compat.fsdp_mixed_precision(mp_policy)  # reduce_dtype=None: same on every torch
     first_name: dict = {}
     located = [(i, name, param) for i, m in enumerate(modules)
@@ -203,13 +205,24 @@ def fully_shard(
         # [Note: parameter-less root] FSDP2 needs one root state over all its units;
         # without it each unit below would be a root of its own (a list unit cannot).
         # As torchtitan does, the root is handed to FSDP2 even with no params of its own.
-        kwargs = {"mesh": info.mesh["p"]}
+        kwargs = {"mesh": info.mesh["p"], **_fsdp_ignored([module])}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         fsdp_fully_shard(module, **kwargs)
-    if isinstance(module, nn.Module):
+    if isinstance(module, nn.Module) and not info.is_expert:
         _become_root(module, info, collectives)
     return module
+
+
+def _check_expert_unit(modules: list[nn.Module]) -> None:
+    """A unit on the expert mesh holds experts only: the model containing them (the root,
+    a block) is sharded on the dense mesh, and its root owns the expert units."""
+    for m in modules:
+        if any(sub is not m and handle.unit_of(sub) is not None for sub in m.modules()):
+            raise ValueError(
+                f"amsp.fully_shard({type(m).__name__}) on the expert mesh contains sharded "
+                "modules: shard only the experts on amsp.expert_mesh(mesh), and the blocks "
+                "and model containing them on the mesh amsp.init_mesh returned")
 
 
 def build_layouts(
@@ -222,6 +235,16 @@ def build_layouts(
     k_os, os_index = info.os_split
     os_layout = p_layout.split(k_os, os_index) if k_os > 1 else p_layout
     return p_layout, g_layout, os_layout
+
+
+def _fsdp_ignored(modules: list[nn.Module]) -> dict:
+    """FSDP2's ``ignored_params`` for a unit over ``modules``: the params of units below
+    that FSDP2 does not shard (s_p = 1 on their mesh: experts on their own plan under a
+    dense block with s_p > 1), which FSDP2 would otherwise take as the block's."""
+    ignored = {p for m in modules for sub in m.modules() if sub not in modules
+               and (u := handle.unit_of(sub)) is not None and not u.uses_fsdp
+               for p in [*u.params, *u.frozen_params]}
+    return {"ignored_params": ignored} if ignored else {}
 
 
 def _has_fsdp_units(module: nn.Module) -> bool:
@@ -263,7 +286,8 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
     global_shapes = [_local_shape(p) for _, p in trainable]
     grad_stream = streams.grad_stream(info.mesh.device_type)
     if uses_fsdp:
-        kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward}
+        kwargs = {"mesh": info.mesh["p"], "reshard_after_forward": reshard_after_forward,
+                  **_fsdp_ignored(modules)}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         fsdp_fully_shard(modules if len(modules) > 1 else module, **kwargs)
@@ -304,6 +328,7 @@ def _make_unit(modules, located, info, collectives, mp_policy, reshard_after_for
         param_module=param_module,
         tp_placements=[placement for placement, _ in tp],
         full_shapes=[shape for _, shape in tp],
+        collectives=collectives,
     )
     if uses_fsdp:
         # Sum-only reductions (gloo has no PREMUL_SUM) and no FSDP-side division: the
@@ -353,10 +378,15 @@ def _local_shape(param):
 
 
 def _tp_layout_of(info: MeshInfo, modules, located) -> dict:
-    """Under tensor parallelism, {(module index, name): (TP placement, whole shape)} of
-    every param (empty without TP). Each must be a DTensor on the AMSP mesh's "tp" dim,
-    as ``parallelize_module(model, mesh["tp"], ...)`` leaves them."""
-    tp_mesh = info.tp_mesh()
+    """Under tensor (or, on an expert mesh, expert) parallelism, {(module index, name):
+    (placement, whole shape)} of every param (empty without it). Each must be a DTensor on
+    the AMSP mesh's "tp" ("ep") dim, as ``parallelize_module(model, mesh["tp"], ...)``
+    leaves them."""
+    tp_mesh, dim = info.tp_mesh(), info.mp_dim
+    how = (f"split the experts over amsp.expert_mesh(mesh)['{dim}'] (expert parallelism)"
+           if info.is_expert else
+           f"apply tensor parallelism to every parameter of the model "
+           f"(parallelize_module(model, mesh['{dim}'], plan))")
     out = {}
     for i, name, param in located:
         where = f"{type(modules[i]).__name__}.{name}"
@@ -364,21 +394,24 @@ def _tp_layout_of(info: MeshInfo, modules, located) -> dict:
             if tp_mesh is None:
                 continue
             raise ValueError(
-                f"parameter {where} is a plain tensor, but the AMSP mesh has tp={info.tp}: "
-                "apply tensor parallelism to every parameter of the model "
-                "(parallelize_module(model, mesh['tp'], plan)) before amsp.fully_shard"
+                f"parameter {where} is a plain tensor, but the AMSP mesh has {dim}={info.tp}: "
+                f"{how} before amsp.fully_shard"
             )
         if tp_mesh is None:
+            fix = ("shard the experts on amsp.expert_mesh(mesh), built with "
+                   "amsp.init_mesh(plan, ep=N), and split them over its 'ep' dim"
+                   if info.is_expert or EP_DIM in (param.device_mesh.mesh_dim_names or ()) else
+                   "build it with amsp.init_mesh(plan, tp=N) and parallelize with its mesh['tp']")
             raise ValueError(
                 f"parameter {where} is a DTensor on mesh {param.device_mesh.mesh_dim_names} "
-                f"{param.placements} but the AMSP mesh has no tensor-parallel dim: build it "
-                "with amsp.init_mesh(plan, tp=N) and parallelize with its mesh['tp']"
+                f"{param.placements} but the AMSP mesh has no {dim} dim: {fix}"
             )
-        if param.device_mesh != tp_mesh or param.device_mesh.mesh_dim_names != ("tp",):
+        if param.device_mesh != tp_mesh or param.device_mesh.mesh_dim_names != (dim,):
             raise ValueError(
                 f"parameter {where} is a DTensor on mesh {param.device_mesh}, not on the AMSP "
-                "mesh's 'tp' dim: parallelize the model with amsp_mesh['tp'] (the mesh "
-                "amsp.init_mesh(plan, tp=N) returned), not a mesh of its own"
+                f"mesh's '{dim}' dim: parallelize the model with amsp_mesh['{dim}'] (the mesh "
+                f"amsp.init_mesh returned{', through amsp.expert_mesh' if info.is_expert else ''}), "
+                "not a mesh of its own"
             )
         out[(i, name)] = (param.placements[0], param.shape)
     return out
@@ -457,8 +490,10 @@ def _become_root(module: nn.Module, info, collectives: Collectives) -> None:
         raise ValueError(
             f"{type(module).__name__} has no parameters to shard (and no sharded submodules)"
         )
-    if any(u.info is not info for u in units):
-        raise ValueError("all units of one model must use the same amsp mesh and plan")
+    if any(u.info is not info and u.info is not info.expert for u in units):
+        raise ValueError(
+            "all units of one model must use the same amsp mesh and plan (the experts: its "
+            "expert mesh, amsp.expert_mesh(mesh))")
     bound = next((u for u in units if u.root is not None and u.root.optimizer_bound), None)
     if bound is not None:
         raise ValueError(

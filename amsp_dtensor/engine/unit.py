@@ -95,7 +95,6 @@ class UnitRoot(Protocol):
     root.py imports this module, so the unit knows its root by this interface)."""
 
     units: list["AMSPUnit"]
-    collectives: "Collectives"  # every collective a unit issues goes through it
     compression: Compression  # the codecs of the cross-node stages
     overlap: "Overlap"  # overlap.param_update decides whether ``send`` records versions
     optimizer_bound: bool  # an AMSPOptimizer owns the masters (no more fully_shard)
@@ -190,6 +189,9 @@ class AMSPUnit:
     tp_placements: list = field(default_factory=list)
     full_shapes: list[torch.Size] = field(default_factory=list)
     root: "UnitRoot | None" = None  # the root.RootState, once the root is sharded
+    # every collective the unit issues goes through it: the one of its own mesh (the
+    # dense mesh's, or the expert mesh's; mesh.py's Note on expert parallelism)
+    collectives: Collectives | None = None
     _step: StepValue = field(default_factory=Idle)
     # error feedback of each compressed gradient stage (compression.py's Note): what its
     # codec dropped, kept across steps in the stage's input shape and dtype
@@ -307,7 +309,7 @@ class AMSPUnit:
         buffers in flight)."""
         codec = self.grad_codec(dim)
         scatter = stage is not GradStage.REP_REDUCE
-        comms = self.root.collectives
+        comms = self.collectives
         with self.profile_range(f"AMSP::{stage.value}_issue"):
             if codec is not None:
                 shape = tensor.shape if scatter else (
@@ -393,7 +395,7 @@ class AMSPUnit:
         (SENDING; ``land`` completes it)."""
         grad = self._step.grad
         with self.profile_range("AMSP::param_update_issue"):
-            issued = param_update.issue(self, masters, self.root.collectives, masters_are_p)
+            issued = param_update.issue(self, masters, self.collectives, masters_are_p)
         if issued is None:
             self._to(Updated(grad))
         else:
@@ -434,7 +436,7 @@ class AMSPUnit:
     def overwrite(self, masters: list) -> None:
         """Masters -> P now (a checkpoint was loaded; nothing may be in flight)."""
         assert self.pending_update is None, "land the update before loading the masters"
-        issued = param_update.issue(self, masters, self.root.collectives)
+        issued = param_update.issue(self, masters, self.collectives)
         if issued is not None:
             param_update.unpack(self, issued)
 

@@ -8,8 +8,12 @@ from .. import compat
 from ..engine.handle import root_state
 
 
-def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
-    """{"param", "grad", "optim"} bytes on this rank.
+GROUPS = ("dense", "expert")
+
+
+def memory_by_state(model: nn.Module, optimizer=None, group: str | None = None) -> dict[str, int]:
+    """{"param", "grad", "optim"} bytes on this rank (``group``: "dense" or "expert", only
+    the units of that mesh; None: all).
 
     param: P storage (FSDP's padded shard, or the full param when s_p = 1);
     grad: G buffers alive now (accumulating, synced, or still being reduced in a
@@ -20,8 +24,16 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
       of the compressed gradient stages.
     """
     state = root_state(model)
+    if group not in (None, *GROUPS):
+        raise ValueError(f"group must be None or one of {GROUPS}, got {group!r}")
+
+    def counted(unit) -> bool:
+        return group is None or unit.info.is_expert == (group == "expert")
+
     param = grad = 0
     for unit in [*state.units, *state.frozen_units]:
+        if not counted(unit):
+            continue
         if unit.uses_fsdp:
             for fsdp_param in compat.fsdp_params(unit.module):
                 data = compat.fsdp_sharded_storage(fsdp_param)
@@ -33,12 +45,13 @@ def memory_by_state(model: nn.Module, optimizer=None) -> dict[str, int]:
             if buf is not None:
                 grad += buf.numel() * buf.element_size()
     grad += sum(e.pending.result.numel() * e.pending.result.element_size()
-                for e in state.in_flight)
-    optim = optimizer.memory_bytes() if optimizer is not None else 0
+                for e in state.in_flight if counted(e.unit))
+    units = None if group is None else [u for u in state.units if counted(u)]
+    optim = optimizer.memory_bytes(units) if optimizer is not None else 0
     out = {"param": param, "grad": grad, "optim": optim}
     if state.compression.grads is not None:
-        out["residual"] = sum(r.numel() * r.element_size()
-                              for unit in state.units for r in unit.residuals.values())
+        out["residual"] = sum(r.numel() * r.element_size() for unit in state.units
+                              if counted(unit) for r in unit.residuals.values())
     return out
 
 

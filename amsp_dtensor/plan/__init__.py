@@ -18,9 +18,11 @@ from .sharding_plan import (
     ShardingPlan,
     data_parallel_world,
     enumerate_plans,
+    expert_parallel_world,
     resolve_factor,
     tp_outside_node,
 )
 
 __all__ = ["BASELINES", "Factor", "ResolvedPlan", "STRATEGY_NAMES", "ShardingPlan",
-           "data_parallel_world", "enumerate_plans", "resolve_factor", "tp_outside_node"]
+           "data_parallel_world", "enumerate_plans", "expert_parallel_world", "resolve_factor",
+           "tp_outside_node"]

@@ -41,6 +41,7 @@ __all__ = [
     "BASELINES",
     "resolve_factor",
     "tp_outside_node",
+    "expert_parallel_world",
 ]
 
 
@@ -253,6 +254,30 @@ def data_parallel_world(
             "every node must run the same number of ranks"
         )
     return world_size // t, ranks_per_node // t
+
+
+def expert_parallel_world(dp_world: int, dp_per_node: int, ep) -> tuple[int, int]:
+    """(W_e, R_e): the expert data-parallel world under expert parallelism of degree ep,
+    and its ranks per node.
+
+    The ep ranks that split the experts are consecutive data-parallel ranks (torchtitan
+    carves "ep" out of the innermost data-parallel dims), so an EP group either sits
+    inside a node (ep divides the DP ranks per node) or spans whole nodes (a multiple of
+    them). The ranks holding the same experts, one per EP group, form the expert world:
+    W / ep ranks, R / ep of them per node, or 1 when an EP group spans nodes. The expert
+    plan's factors are factors of that world, checked by the same rules."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be a positive int (the expert-parallel degree), got {ep!r}")
+    if dp_world % ep:
+        raise ValueError(
+            f"ep={ep} does not divide the data-parallel world of {dp_world} ranks: every "
+            "expert-parallel group needs the same number of ranks; choose ep dividing it")
+    if dp_per_node % ep and ep % dp_per_node:
+        raise ValueError(
+            f"ep={ep} with {dp_per_node} data-parallel ranks per node: an expert-parallel "
+            "group must fit in a node or span whole nodes (consecutive ranks); choose ep "
+            f"dividing {dp_per_node} or a multiple of it")
+    return dp_world // ep, max(1, dp_per_node // ep)
 
 
 def tp_outside_node(tp: int, ranks_per_node: int, tp_as: str, node_as: str) -> str | None:
