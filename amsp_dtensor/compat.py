@@ -153,6 +153,7 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
     ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
@@ -623,6 +624,14 @@ def all_to_all_autograd(input: torch.Tensor, output_split_sizes: list[int],
 
     out = all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, group)
     return settle_async_collective(out)
+
+
+def no_reentrant_checkpoint_impl():
+    """torch's CheckpointImpl.NO_REENTRANT: what torchtitan's activation checkpointing
+    wraps a block with (its MoE load balancing halves the token counts of such blocks)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    return CheckpointImpl.NO_REENTRANT
 
 
 # ---- torch / torchtitan for the CPU shims ------------------------------------------------

@@ -92,11 +92,10 @@ def _main(argv, monkeypatch, capsys, rank=0):  # 4 ranks on one node
 
 @pytest.mark.parametrize("argv, starts_with", [
     (["--parallelism.context_parallel_degree", "2"],
-     "parallelism.context_parallel_degree=2: AMSP composes with data, tensor and pipeline "
-     "parallelism only"),
-    (["--parallelism.expert_parallel_degree", "2"],
-     "parallelism.expert_parallel_degree=2: AMSP composes with data, tensor and pipeline "
-     "parallelism only"),
+     "parallelism.context_parallel_degree=2: AMSP composes with data, tensor, pipeline and "
+     "expert parallelism only"),
+    (["--parallelism.expert_parallel_degree", "2"],  # the recipe's llama3 has no experts
+     "parallelism.expert_parallel_degree=2: llama3_amsp debugmodel has no MoE layers"),
     (["--parallelism.tensor_parallel_degree", "4"],  # the recipe's [amsp] ranks_per_node = 2
      "parallelism.tensor_parallel_degree=4: does not divide the 2 ranks per node"),
     (["--parallelism.tensor_parallel_degree", "2"],  # the recipe's optim_shard = 4 > dp 2

@@ -33,6 +33,18 @@ class Amsp:
     optim_shard: int | str = FROM_DP
     """s_os: ranks sharing one copy of fp32 master weights + optimizer states (OS)."""
 
+    expert_param_shard: int | str = FROM_DP
+    """The experts' s_p (mixture-of-experts models): ranks holding the same experts that
+    share one copy of their parameters, a factor of the expert data-parallel world (the
+    data-parallel world / parallelism.expert_parallel_degree). "dp" = as torchtitan shards
+    experts: data_parallel_shard_degree / expert_parallel_degree."""
+
+    expert_grad_shard: int | str = FROM_DP
+    """The experts' s_g; must equal expert_param_shard or expert_optim_shard."""
+
+    expert_optim_shard: int | str = FROM_DP
+    """The experts' s_os: fp32 master weights + optimizer states of the experts."""
+
     plan: str = ""
     """"" = use the three factors above; "auto" = let amsp_dtensor's planner choose them."""
 

@@ -11,7 +11,11 @@ This subclass adds, through the same logger (TensorBoard/W&B):
   amsp/residual_norm                      this rank's error-feedback residual norm
   memory_by_state/{param,grad,optim}(MiB) this rank's model states, amsp.memory_by_state
                                           (and residual, when gradients are compressed)
+  memory_by_state/expert/...(MiB)         of them, the routed experts' (MoE models with
+                                          an expert plan; comm/<op>/expert_<dim>/... are
+                                          the experts' collectives)
   amsp/{s_p,s_g,s_os}                     the plan being run
+  amsp/expert_{s_p,s_g,s_os}              the experts' plan (MoE models with one)
 and drops "mfu(%)" where the peak FLOP rate is unknown (on CPU torchtitan would silently
 divide by an A100's peak).
 """
@@ -72,8 +76,12 @@ class AmspMetrics:
             self.logger = _DropKeys(self.logger, UNKNOWN_PEAK_KEYS)
 
     def log_amsp(self, step: int, plan, events, memory_by_state: dict[str, int],
-                 residual_norm: float | None = None) -> dict[str, float]:
+                 residual_norm: float | None = None, expert_plan=None) -> dict[str, float]:
         metrics = {"amsp/s_p": plan.s_p, "amsp/s_g": plan.s_g, "amsp/s_os": plan.s_os}
+        if expert_plan is not None:
+            metrics.update({"amsp/expert_s_p": expert_plan.s_p,
+                            "amsp/expert_s_g": expert_plan.s_g,
+                            "amsp/expert_s_os": expert_plan.s_os})
         if residual_norm is not None:
             metrics["amsp/residual_norm"] = residual_norm
         metrics.update(comm_scalars(events))

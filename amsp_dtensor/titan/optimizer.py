@@ -18,6 +18,7 @@ from torchtitan.distributed import ParallelDims
 from .. import compat
 from .amsp_optimizers import (OPTIMIZER_CLASSES, PIPELINE_STAGE_OF, RESIDUALS,  # noqa: F401
                               AmspOptimizers, refuse_part_keyed)
+from .moe import register_load_balancing
 from .validate import check_optimizer
 
 
@@ -33,7 +34,9 @@ def build_amsp_optimizers(
     parallel_dims: ParallelDims,
     ft_manager=None,
 ) -> AmspOptimizersContainer:
-    """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside."""
+    """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside,
+    and for MoE models torchtitan's expert-bias load balancing (moe.py), as
+    build_optimizers_with_moe_load_balancing adds it."""
     # amsp_dtensor.train refuses these before start-up (resolve_plan -> check_unsupported);
     # this repeats it for other launchers (python -m torchtitan.train with the _amsp specs).
     check_optimizer(optimizer_config, ft_manager is not None and getattr(ft_manager, "enabled", False))
@@ -47,4 +50,6 @@ def build_amsp_optimizers(
         "fused": impl == "fused",
         "foreach": impl == "foreach",
     }
-    return AmspOptimizersContainer(model_parts, OPTIMIZER_CLASSES[name], kwargs)
+    container = AmspOptimizersContainer(model_parts, OPTIMIZER_CLASSES[name], kwargs)
+    register_load_balancing(container, model_parts, parallel_dims)
+    return container

@@ -25,8 +25,8 @@ from torchtitan.models.llama3.infra import parallelize as _llama3_parallelize
 
 from ..compat import titan_sac_save_list
 
-from .validate import (AmspConfigError, compression_of, job_plan, job_ranks_per_node,
-                       reshard_after_forward_of)
+from .validate import (AmspConfigError, compression_of, job_expert_plan, job_plan,
+                       job_ranks_per_node, reshard_after_forward_of)
 from .units import (_blocks, _end_units, amsp_plan_of, compile_blocks,  # noqa: F401
                     log_applied, mixed_precision, plan_mesh, shard_units)
 from .weights import init_full_model
@@ -47,18 +47,22 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         import amsp_dtensor as amsp
 
         plan = job_plan(job_config, world=parallel_dims.world_size)  # resolved once per job
-        tp, pp = parallel_dims.tp, parallel_dims.pp
+        expert_plan = job_expert_plan(job_config, world=parallel_dims.world_size)
+        tp, pp, ep = parallel_dims.tp, parallel_dims.pp, parallel_dims.ep
         _blocks(model)  # one unit per transformer block: refused here without model.layers
-        mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job_config))
+        mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job_config), ep, expert_plan)
         full_init = job_config.amsp.init_full_model
+        if full_init and (tp > 1 or ep > 1):
+            # [Note: TP, then everything else] As parallelize_llama: TP (and EP) first, on
+            # the plain model, so its plan's module paths hold; then AC, compile and the
+            # sharding. With full init the weights are made whole first (same seed on every
+            # rank), so each tp (ep) rank keeps its chunk of one initialisation, whatever
+            # the layout.
+            init_full_model(model, job_config)
         if tp > 1:
-            # [Note: TP, then everything else] As parallelize_llama: TP first, on the plain
-            # model, so its plan's module paths hold; then AC, compile and the sharding. With
-            # full init the weights are made whole first (same seed on every rank), so each
-            # tp rank keeps its chunk of one initialisation, whatever the layout.
-            if full_init:
-                init_full_model(model, job_config)
             _apply_tp(model, module, mesh["tp"], job_config)
+        if ep > 1:
+            _apply_ep(model, module, amsp.expert_mesh(mesh)["ep"])
 
         # Same order as parallelize_llama: AC wrapping, then per-block compile, then sharding.
         compile_model = job_config.compile.enable and "model" in job_config.compile.components
@@ -73,7 +77,7 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         if compile_model:
             compile_blocks(model, job_config.compile)
 
-        if full_init and tp == 1:
+        if full_init and tp == 1 and ep == 1:
             # Same seed, whole model, every rank: all plans start from identical weights.
             # torchtitan's later to_empty/init_weights are then kept off it (keep_weights).
             init_full_model(model, job_config)
@@ -84,8 +88,9 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         # torchtitan's apply_fsdp maps its policy (the last units reshard only on "always")
         raf, raf_last = reshard_after_forward_of(job_config, plan)
         compression = shard_units(model, mesh, mixed_precision(job_config.training), raf,
-                                  raf_last, compression_of(job_config.amsp), keep=full_init)
-        log_applied(plan, tp, pp, compression)
+                                  raf_last, compression_of(job_config.amsp), keep=full_init,
+                                  experts=expert_plan is not None)
+        log_applied(plan, tp, pp, compression, expert_plan, ep)
         return model
 
     parallelize_amsp.amsp_base = base_name or base_fn.__module__
@@ -104,6 +109,19 @@ def _apply_tp(model: nn.Module, base_module, tp_mesh, job_config) -> None:
     apply_tp(model, tp_mesh, loss_parallel=not job_config.parallelism.disable_loss_parallel,
              enable_float8_tensorwise_tp=float8)
     maybe_enable_async_tp(job_config, tp_mesh)
+
+
+def _apply_ep(model: nn.Module, base_module, ep_mesh) -> None:
+    """torchtitan's own expert parallelism over the expert mesh's "ep" dim: the base
+    recipe's ``apply_moe_ep_tp`` without tensor parallelism (each MoE layer's routed
+    experts split Shard(0) over ep, tokens dispatched by all-to-all), as its
+    parallelize_fn applies it."""
+    apply_moe_ep_tp = getattr(base_module, "apply_moe_ep_tp", None)
+    if apply_moe_ep_tp is None:
+        raise AmspConfigError(
+            f"parallelism.expert_parallel_degree={ep_mesh.size()}: {base_module.__name__} has "
+            "no apply_moe_ep_tp to split this model's experts with; set it to 1")
+    apply_moe_ep_tp(model, tp_mesh=None, ep_mesh=ep_mesh, etp_mesh=None, ep_etp_mesh=None)
 
 
 def tp_apply_fn(base_module, tp: int):

@@ -39,6 +39,7 @@ from .dataloader import reshardable_dataloader_fn
 from .metrics import build_amsp_metrics_processor
 from .optimizer import PIPELINE_STAGE_OF, build_amsp_optimizers
 from .parallelize import _blocks, amsp_parallelize_fn, is_amsp_parallelize_fn, tp_apply_fn
+from .validate import experts_configured
 
 SUFFIX = "_amsp"
 EAGER_BASES = ("llama3", "qwen3")  # torchtitan's dense decoder LLMs (0.2.2)
@@ -179,15 +180,15 @@ def check_converters(job_config) -> None:
 
 
 def check_model(job_config) -> None:
-    """Refuse what AMSP cannot train, as one AmspConfigError line: MoE flavors, a model
-    without its blocks in ``model.layers``, tensor parallelism on a recipe without
-    ``apply_tp``, and loss parallel with a loss that is not cross-entropy
-    (``check_loss_parallel``).
+    """Refuse what AMSP cannot train, as one AmspConfigError line: a model without its
+    blocks in ``model.layers``, tensor parallelism on a recipe without ``apply_tp``, loss
+    parallel with a loss that is not cross-entropy (``check_loss_parallel``), expert
+    parallelism or [amsp] expert factors on a model without MoE layers, and an EP degree
+    that does not divide the experts.
 
     Builds the flavor on the meta device, as torchtitan's Trainer does, and looks for
     torchtitan MoE layers.
     """
-    from . import cpu_compat
 
     check_converters(job_config)
     name, flavor = job_config.model.name, job_config.model.flavor
@@ -204,23 +205,24 @@ def check_model(job_config) -> None:
     with torch.device("meta"):
         model = spec.model_cls(args)
     moe = _moe_modules(model)
+    _blocks(model)  # one unit per transformer block, found in model.layers
+    ep = job_config.parallelism.expert_parallel_degree
+    where = f"{name} {flavor}"
     if not moe:
-        _blocks(model)  # one unit per transformer block, found in model.layers
+        if ep != 1:
+            raise AmspConfigError(
+                f"parallelism.expert_parallel_degree={ep}: {where} has no MoE layers; set it "
+                "to 1")
+        configured = experts_configured(job_config.amsp)
+        if configured:
+            key = configured[0]
+            raise AmspConfigError(
+                f"amsp.{key}={getattr(job_config.amsp, key)!r}: {where} has no MoE layers; "
+                "remove the [amsp] expert_* factors (they shard routed experts)")
         return
-    if cpu_compat.needed():
-        # Seen on torch 2.13+cpu: the router's token count torch.histc(<int64 expert ids>)
-        # raises NotImplementedError: "histogram_cpu" not implemented for 'Long'.
-        grouped = any(getattr(getattr(m, "experts", None), "use_grouped_mm", False) for m in moe)
-        why = ("torchtitan's MoE router counts tokens per expert with torch.histc on int64 "
-               "expert ids, and CPU torch has no such kernel (\"histogram_cpu\" not "
-               "implemented for 'Long')")
-        if grouped:
-            why += (", and its token permutation needs the triton kernel "
-                    "generate_permute_indices")
-    else:
-        why = ("AMSP does not shard MoE experts (no expert-parallel mesh, no load-balancing "
-               "hook in its optimizer)")
-    raise AmspConfigError(
-        f"model.flavor={flavor!r}: {name} {flavor} has {len(moe)} MoE layers: {why}; "
-        "use a dense flavor"
-    )
+    n_experts = {getattr(getattr(m, "experts", None), "num_experts", None) for m in moe}
+    bad = sorted(n for n in n_experts if n is not None and n % ep)
+    if bad:
+        raise AmspConfigError(
+            f"parallelism.expert_parallel_degree={ep}: {where} has {bad[0]} experts per MoE "
+            f"layer, which {ep} ranks cannot split evenly; use a divisor of {bad[0]}")

@@ -21,6 +21,7 @@ from torchtitan.tools.logging import logger
 
 from ..engine.compression import residual_norm
 from ..engine.overlap import set_overlap
+from .units import expert_plan_of
 
 
 @contextlib.contextmanager
@@ -94,6 +95,11 @@ class AmspSteps:
         if self.metrics_processor.should_log(self.step):
             model = self.model_parts[0]
             memory = amsp.memory_by_state(model, self.optimizers.optimizers[0])
+            expert_plan = expert_plan_of(model)
+            if expert_plan is not None:  # the experts' part of it, on their own plan
+                experts = amsp.memory_by_state(model, self.optimizers.optimizers[0],
+                                               group="expert")
+                memory = {**memory, **{f"expert/{k}": v for k, v in experts.items()}}
             residual = (residual_norm(model) if "residual" in memory else None)
             self._unlogged_steps.append((self.step, rec, memory, residual))
         last = self.step >= self._training_steps()
@@ -116,5 +122,6 @@ class AmspSteps:
             self.last_comm_events = list(rec.events)
             if hasattr(self.metrics_processor, "log_amsp"):
                 self.metrics_processor.log_amsp(step, self.amsp_plan, self.last_comm_events,
-                                                memory, residual)
+                                                memory, residual,
+                                                expert_plan_of(self.model_parts[0]))
         self._unlogged_steps = self._unlogged_steps[len(ready):]

@@ -45,6 +45,14 @@ def amsp_plan_of(model: nn.Module):
     return root.info.plan if root is not None else None
 
 
+def expert_plan_of(model: nn.Module):
+    """The experts' ResolvedPlan of an AMSP-parallelized model with an expert mesh, or
+    None."""
+    root = handle.root_of(model)
+    expert = root.info.expert if root is not None else None
+    return expert.plan if expert is not None else None
+
+
 def compile_blocks(model: nn.Module, compile_config) -> None:
     """Per-block torch.compile as torchtitan's apply_compile does (fullgraph, the configured
     backend), but compiling each block's ``forward`` in place instead of wrapping the block
@@ -125,35 +133,57 @@ def _head_name(model: nn.Module) -> str:
 _PIPELINE_MESHES: dict = {}  # one mesh per plan and degrees, shared by a rank's stages
 
 
-def plan_mesh(amsp, plan, tp: int, pp: int, ranks_per_node: int):
+def plan_mesh(amsp, plan, tp: int, pp: int, ranks_per_node: int, ep: int = 1,
+              expert_plan=None):
     """The AMSP mesh of the job's resolved plan (init_mesh keeps that object as the
-    mesh's plan); under pipeline parallelism one for all stages of this rank (each
-    init_mesh makes process groups: looped schedules parallelize several parts)."""
+    mesh's plan), with the expert mesh of ``expert_plan`` when there is one; under
+    pipeline parallelism one for all stages of this rank (each init_mesh makes process
+    groups: looped schedules parallelize several parts)."""
+    experts = {} if expert_plan is None else {"ep": ep, "expert_plan": expert_plan}
     if pp == 1:
         return amsp.init_mesh(plan, ranks_per_node=plan.ranks_per_node * tp,
-                              device_type=device_type, tp=tp)
+                              device_type=device_type, tp=tp, **experts)
     key = (plan.s_p, plan.s_g, plan.s_os, ranks_per_node, tp, pp,
-           id(torch.distributed.group.WORLD))
+           id(torch.distributed.group.WORLD),
+           None if expert_plan is None else (ep, expert_plan.s_p, expert_plan.s_g,
+                                             expert_plan.s_os))
     if key not in _PIPELINE_MESHES:
         _PIPELINE_MESHES[key] = amsp.init_mesh(plan, ranks_per_node=ranks_per_node,
-                                               device_type=device_type, tp=tp, pp=pp)
+                                               device_type=device_type, tp=tp, pp=pp,
+                                               **experts)
     return _PIPELINE_MESHES[key]
 
 
+def routed_experts(block: nn.Module) -> nn.Module | None:
+    """A transformer block's routed experts (torchtitan's ``block.moe.experts``), or None
+    for a dense block."""
+    experts = getattr(getattr(block, "moe", None), "experts", None)
+    return experts if isinstance(experts, nn.Module) else None
+
+
 def shard_units(model: nn.Module, mesh, mp_policy, raf, raf_last, compression,
-                keep: bool):
+                keep: bool, experts: bool = False):
     """amsp.fully_shard on each unit of ``model`` (see the module docstring), with
     ``raf`` the reshard_after_forward of the embeddings and blocks and ``raf_last`` that of
     [norm, head]; then the gradient divide factor 1 (torchtitan divides the loss by the
     global token count itself), ``compression`` (before the optimizer exists: compressed
     weights need separate masters) and, with ``keep``, torchtitan's later to_empty /
-    init_weights made no-ops. Returns the compression setting the engine took."""
+    init_weights made no-ops. With ``experts``, each MoE block's routed experts are a unit
+    of their own on the expert mesh, sharded before their block (as torchtitan's
+    apply_fsdp shards ``moe.experts`` on its expert mesh); an int ``raf`` (hpZ, a factor
+    of the dense param_shard) leaves them resharding fully. Returns the compression
+    setting the engine took."""
     import amsp_dtensor as amsp
 
     ends = _end_units(model)
     if ends and ends[0] is not None:
         amsp.fully_shard(ends[0], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=raf)
+    emesh = amsp.expert_mesh(mesh) if experts else None
     for block in _blocks(model):
+        routed = routed_experts(block) if emesh is not None else None
+        if routed is not None:
+            amsp.fully_shard(routed, mesh=emesh, mp_policy=mp_policy,
+                             reshard_after_forward=raf if isinstance(raf, bool) else True)
         amsp.fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=raf)
     if ends and ends[1] is not None:
         amsp.fully_shard(ends[1], mesh=mesh, mp_policy=mp_policy,
@@ -166,12 +196,15 @@ def shard_units(model: nn.Module, mesh, mp_policy, raf, raf_last, compression,
     return taken
 
 
-def log_applied(plan, tp: int, pp: int, compression) -> None:
+def log_applied(plan, tp: int, pp: int, compression, expert_plan=None, ep: int = 1) -> None:
     under_tp = f" x tp {tp}" if tp > 1 else ""
     under_tp += f" (one pipeline stage of {pp})" if pp > 1 else ""
+    experts = "" if expert_plan is None else (
+        f"; experts: plan {expert_plan.name} on {expert_plan.world_size} expert-world ranks "
+        f"x ep {ep}, {expert_plan.ranks_per_node} per node")
     logger.info(
         f"Applied AMSP plan {plan.name} (s_p={plan.s_p}, s_g={plan.s_g}, s_os={plan.s_os}) "
         f"on {plan.world_size} data-parallel ranks{under_tp}, {plan.ranks_per_node} per "
-        f"node; mesh {plan.mesh_shape}"
+        f"node; mesh {plan.mesh_shape}" + experts
         + (f"; cross-node stages compressed: {compression}" if compression.enabled else "")
     )

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_dtensor.plan.sharding_plan import (STRATEGY_NAMES, ResolvedPlan, ShardingPlan,
-                                             resolve_factor, tp_outside_node, valid_factors)
+                                             expert_parallel_world, resolve_factor,
+                                             tp_outside_node, valid_factors)
 from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError, unknown_amsp_key
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
+EXPERT_KEYS = ("expert_param_shard", "expert_grad_shard", "expert_optim_shard")
 
 
 def check_toml_keys(toml_values: dict[str, Any] | None) -> None:
@@ -51,7 +53,8 @@ def world_from_env() -> tuple[int, int]:
     return world, local
 
 
-def _factor_value(key: str, value: Any, world: int, rpn: int) -> int:
+def _factor_value(key: str, value: Any, world: int, rpn: int,
+                  world_name: str = "the world size") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise AmspConfigError(
             f"amsp.{key}={value!r}: must be an int factor or one of {', '.join(STRATEGY_NAMES)}"
@@ -70,7 +73,7 @@ def _factor_value(key: str, value: Any, world: int, rpn: int) -> int:
     ok = valid_factors(world, rpn)
     if s not in ok:
         why = (
-            f"does not divide the world size {world}"
+            f"does not divide {world_name} {world}"
             if world % s
             else f"spans nodes without filling them ({rpn} ranks per node)"
         )
@@ -81,13 +84,13 @@ def _factor_value(key: str, value: Any, world: int, rpn: int) -> int:
     return s
 
 
-def _chain_key(s_p: int, s_g: int, s_os: int) -> str:
-    """Which key to blame when the factors break the chain rules."""
+def _chain_key(s_p: int, s_g: int, s_os: int, keys=FACTOR_KEYS) -> str:
+    """Which key (of ``keys``: P, G, OS) to blame when the factors break the chain rules."""
     if s_g < s_p or s_g % s_p:
-        return "grad_shard"
+        return keys[1]
     if s_os < s_g or s_os % s_g:
-        return "optim_shard"
-    return "grad_shard"  # s_g strictly between s_p and s_os
+        return keys[2]
+    return keys[1]  # s_g strictly between s_p and s_os
 
 
 def resolve_explicit(cfg: Amsp, world: int, ranks_per_node: int,
@@ -261,7 +264,6 @@ def check_reshard_after_forward(r: bool | int, plan: ResolvedPlan) -> None:
 # torchtitan's other parallelisms, which AMSP does not compose with (yet): key -> name
 UNSUPPORTED_PARALLELISM = {
     "context_parallel_degree": "context parallelism",
-    "expert_parallel_degree": "expert parallelism",
 }
 # torchtitan's schedules whose backward is split in input and weight halves (zero bubble):
 # an AMSP stage runs them with s_p = 1 only (engine/pipeline.py, [Note: split backward])
@@ -415,7 +417,7 @@ def pipeline_stage_modules(job_config, pp: int) -> list[list[str]] | None:
 
 
 def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
-    """[parallelism] checked for AMSP: CP and EP refused; the TP degree returned once
+    """[parallelism] checked for AMSP: CP refused; the TP degree returned once
     it divides the ranks per node (TP groups inside a node) and the sequence length (as
     torchtitan's sequence parallelism needs)."""
     parallelism = job_config.parallelism
@@ -423,8 +425,8 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
         degree = getattr(parallelism, key)
         if degree != 1:
             raise AmspConfigError(
-                f"parallelism.{key}={degree}: AMSP composes with data, tensor and pipeline "
-                f"parallelism only; set it to 1 ({name} with AMSP is not implemented)"
+                f"parallelism.{key}={degree}: AMSP composes with data, tensor, pipeline and "
+                f"expert parallelism only; set it to 1 ({name} with AMSP is not implemented)"
             )
     tp = parallelism.tensor_parallel_degree
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -440,6 +442,81 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
             "multiple of it (sequence parallelism splits the sequence over the tp ranks)"
         )
     return tp
+
+
+def expert_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int) -> int:
+    """[parallelism] expert_parallel_degree checked for AMSP on the data-parallel world
+    (``dp_world`` ranks, ``dp_per_node`` per node): an EP group fits in a node or spans
+    whole nodes (engine/mesh.py's Note on expert parallelism), routed experts without
+    tensor parallelism."""
+    parallelism = job_config.parallelism
+    ep = parallelism.expert_parallel_degree
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise AmspConfigError(f"parallelism.expert_parallel_degree={ep!r}: must be a positive int")
+    etp = getattr(parallelism, "expert_tensor_parallel_degree", 1)
+    if etp != 1:
+        raise AmspConfigError(
+            f"parallelism.expert_tensor_parallel_degree={etp}: AMSP runs the routed experts "
+            "without tensor parallelism; set it to 1")
+    if ep > 1 and tp > 1:
+        raise AmspConfigError(
+            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree={tp}: "
+            "expert parallelism beside tensor parallelism is not supported with AMSP yet; "
+            "set one of them to 1")
+    try:
+        expert_parallel_world(dp_world, dp_per_node, ep)
+    except ValueError as e:
+        raise AmspConfigError(f"parallelism.expert_parallel_degree={ep}: {e}") from None
+    return ep
+
+
+def experts_configured(cfg: Amsp) -> list[str]:
+    """The [amsp] expert keys set to something other than "dp"."""
+    return [key for key in EXPERT_KEYS if not _is_from_dp(getattr(cfg, key))]
+
+
+def resolve_expert_plan(job_config, plan: ResolvedPlan) -> ResolvedPlan | None:
+    """The experts' plan beside the dense ``plan`` (resolved over the same data-parallel
+    world), over the expert world (the data-parallel world / expert_parallel_degree);
+    None when the experts simply belong to their blocks (no expert parallelism and no
+    [amsp] expert key set). An expert factor left at "dp" shards the experts as
+    torchtitan does: over data_parallel_shard_degree / expert_parallel_degree ranks."""
+    cfg: Amsp = job_config.amsp
+    tp = job_config.parallelism.tensor_parallel_degree
+    ep = expert_parallel_degree(job_config, plan.world_size, plan.ranks_per_node, tp)
+    if ep == 1 and not experts_configured(cfg):
+        return None
+    world, per_node = expert_parallel_world(plan.world_size, plan.ranks_per_node, ep)
+    where = (f"the expert world: {plan.world_size} data-parallel ranks / "
+             f"expert_parallel_degree {ep} = {world} ranks, {per_node} per node")
+    layout = data_parallel_layout(job_config.parallelism, plan.world_size,
+                                  plan.ranks_per_node, tp)
+    s = {}
+    for key in EXPERT_KEYS:
+        value = getattr(cfg, key)
+        if _is_from_dp(value):
+            if layout.shard % ep:
+                raise AmspConfigError(
+                    f"amsp.{key}={value!r}: torchtitan would shard the experts over "
+                    f"data_parallel_shard_degree {layout.shard} / expert_parallel_degree {ep} "
+                    "ranks, which is not whole; set amsp.expert_param_shard, "
+                    "expert_grad_shard and expert_optim_shard (factors of "
+                    f"{where})")
+            s[key] = layout.shard // ep
+            continue
+        try:
+            s[key] = _factor_value(key, value, world, per_node, "the expert world size")
+        except AmspConfigError as e:
+            raise AmspConfigError(f"{e} (expert factors are those of {where})") from None
+    s_p, s_g, s_os = (s[k] for k in EXPERT_KEYS)
+    try:
+        return ShardingPlan(s_p, s_g, s_os).resolve(world, per_node)
+    except ValueError as e:
+        key = _chain_key(s_p, s_g, s_os, EXPERT_KEYS)
+        detail = str(e).split("): ", 1)[-1]
+        raise AmspConfigError(
+            f"amsp.{key}={getattr(cfg, key)!r}: expert plan param={s_p}, grad={s_g}, "
+            f"optim={s_os} breaks {detail} ({where})") from None
 
 
 def job_ranks_per_node(job_config) -> int:
@@ -485,6 +562,12 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     pp = job_world // world
     tp = tensor_parallel_degree(job_config, ranks_per_node)
     layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp)
+    if cfg.plan == "auto" and (job_config.parallelism.expert_parallel_degree != 1
+                               or experts_configured(cfg)):
+        raise AmspConfigError(
+            "amsp.plan='auto' with expert parallelism or [amsp] expert factors: the planner "
+            "does not choose expert plans yet; set param_shard, grad_shard, optim_shard and "
+            "the expert_* factors")
     if cfg.plan == "auto":
         if layout.given:
             raise AmspConfigError(
@@ -512,6 +595,7 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     check_split_backward(job_config.parallelism, plan)
     reshard_after_forward_of(job_config, plan)
     compression_of(cfg)
+    resolve_expert_plan(job_config, plan)  # checked now; job_expert_plan keeps it
     return plan
 
 
@@ -531,6 +615,21 @@ def job_plan(job_config, world: int | None = None) -> ResolvedPlan:
     plan = resolve_plan(job_config, world=world)
     setattr(job_config.amsp, _KEPT, (world, plan))
     return plan
+
+
+_KEPT_EXPERT = "_resolved_expert_plan"  # on job_config.amsp: (dense plan, expert plan)
+
+
+def job_expert_plan(job_config, world: int | None = None) -> ResolvedPlan | None:
+    """The job's expert plan (``resolve_expert_plan`` of ``job_plan``), resolved once per
+    job like the dense one; None when the experts belong to their blocks."""
+    plan = job_plan(job_config, world)
+    kept = getattr(job_config.amsp, _KEPT_EXPERT, None)
+    if kept is not None and kept[0] is plan:
+        return kept[1]
+    expert = resolve_expert_plan(job_config, plan)
+    setattr(job_config.amsp, _KEPT_EXPERT, (plan, expert))
+    return expert
 
 
 def compression_of(cfg: Amsp) -> Compression:
