@@ -151,9 +151,12 @@ def residual_entry(model) -> dict | None:
     root = handle.root_of(model)
     if root is None or root.compression.grads is None:
         return None
-    plan = root.info.plan
+    plan, expert = root.info.plan, root.info.expert
     key = (f"{plan.name} on {plan.world_size} ranks, {plan.ranks_per_node} per node, "
            f"grads={root.compression.grads}")
+    if expert is not None:  # the experts' residuals are laid out by their own plan and ep
+        key += (f", experts {expert.plan.name} on {expert.plan.world_size} ranks x ep "
+                f"{expert.tp}")
     return {"key": key, f"rank{_rank()}": {f"{i}.{name}": r for i, unit in enumerate(root.units)
                                            for name, r in unit.residual_state().items()}}
 

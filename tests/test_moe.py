@@ -14,7 +14,9 @@ from functools import partial
 import pytest
 import torch
 
-from amsp_dtensor.plan import expert_parallel_world
+from amsp_dtensor.plan import ShardingPlan, expert_parallel_world
+from amsp_dtensor.plan.cost.comm import (event_counter, predicted_events,
+                                         predicted_expert_events)
 from amsp_dtensor.testing.moe import reference_training
 from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.tiny_moe import TinyMoE, TinyMoEConfig
@@ -135,6 +137,42 @@ def test_expert_collectives_on_their_own_mesh(world, ep, dense, expert):
         assert size == sizes[base], (dim, size)
         assert inter == (e_per_node == 1 or size * _stride(base, expert) > e_per_node), dim
     assert any(not e[1].startswith("expert_") for e in events)
+
+
+def _unit_shapes() -> tuple[list, int, list]:
+    """(dense units' param shapes, the root unit's index, the expert units' whole shapes)
+    as testing/moe.shard_moe cuts the tiny MoE: each MoE layer's experts, every block's
+    other params, the root (embeddings, final norm, output)."""
+    model = TinyMoE(TinyMoEConfig())
+    dense, experts = [], []
+    for block in model.layers:
+        routed = block.moe.experts if block.moe is not None else None
+        if routed is not None:
+            experts.append([tuple(p.shape) for p in routed.parameters()])
+        own = {id(p) for p in routed.parameters()} if routed is not None else set()
+        dense.append([tuple(p.shape) for p in block.parameters() if id(p) not in own])
+    in_blocks = {id(p) for block in model.layers for p in block.parameters()}
+    dense.append([tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks])
+    return dense, len(dense) - 1, experts
+
+
+@pytest.mark.parametrize("ep,dense,expert", PAIRS, ids=PAIR_IDS)
+def test_recorded_collectives_equal_the_cost_model(world, ep, dense, expert):
+    """Every collective of a step (2 micro-batches, clipping), by op, mesh dim, group
+    size, bytes, locality and phase, equals the cost model's: predicted_events of the dense
+    plan on the dense units, plus predicted_expert_events of the expert plan on the
+    experts' EP-local shapes."""
+    dense_units, root, expert_units = _unit_shapes()
+    local = [[(rows // ep, *rest) for rows, *rest in unit] for unit in expert_units]
+    e_world, e_per_node = expert_parallel_world(WORLD, PER_NODE, ep)
+    want = event_counter(predicted_events(
+        ShardingPlan(*dense).resolve(WORLD, PER_NODE), dense_units, 2, 4, root, clip=True))
+    want += event_counter(predicted_expert_events(
+        ShardingPlan(*expert).resolve(e_world, e_per_node), ep, PER_NODE, local, 2, 4,
+        clip=True))
+    for rank, result in enumerate(world.get(("pair", ep, dense, expert))):
+        got = Counter(tuple(e) for e in result["events"])
+        assert got == want, (rank, sorted((got - want).items()), sorted((want - got).items()))
 
 
 def _stride(dim: str, plan) -> int:

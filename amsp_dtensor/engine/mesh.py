@@ -60,13 +60,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import handle
 from ..plan import ResolvedPlan, ShardingPlan
-from ..plan.sharding_plan import data_parallel_world, expert_parallel_world, resolve_factor
+from ..plan.sharding_plan import (EXPERT_DIM_PREFIX, data_parallel_world,
+                                  expert_parallel_world, resolve_factor)
 
 MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
 PP_DIM = "pp"
 EP_DIM = "ep"
-EXPERT_PREFIX = "expert_"  # how the expert mesh's collectives are recorded ("expert_p")
+EXPERT_PREFIX = EXPERT_DIM_PREFIX  # how the expert mesh's collectives are recorded
 
 __all__ = ["EP_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM", "expert_mesh", "init_mesh", "MeshInfo",
            "mesh_info"]

@@ -194,6 +194,7 @@ def fully_shard(
             "cast the model to one dtype (bf16 for the paper's setting) first"
         )
     collectives = Collectives(info)
+    unit = None
     if located:
         unit = _make_unit(modules, located, info, collectives, mp_policy,
                           reshard_after_forward)
@@ -201,14 +202,20 @@ def fully_shard(
             handle.set_unit(m, unit)
     elif len(modules) > 1:
         raise ValueError(f"{_describe(modules)} has no parameters of its own to shard")
-    elif info.plan.s_p > 1 and _has_fsdp_units(module):
-        # [Note: parameter-less root] FSDP2 needs one root state over all its units;
-        # without it each unit below would be a root of its own (a list unit cannot).
-        # As torchtitan does, the root is handed to FSDP2 even with no params of its own.
-        kwargs = {"mesh": info.mesh["p"], **_fsdp_ignored([module])}
-        if mp_policy is not None:
-            kwargs["mp_policy"] = mp_policy
-        fsdp_fully_shard(module, **kwargs)
+    if len(modules) == 1 and (unit is None or not unit.uses_fsdp) and not info.is_expert:
+        below = _first_fsdp_unit(module)
+        if below is not None:
+            # [Note: parameter-less root] FSDP2 needs one root state over all its units;
+            # without it each unit below would be a root of its own (a list unit cannot),
+            # and FSDP2 keeps a root's parameters unsharded from forward to backward. As
+            # torchtitan does, the root is handed to FSDP2 even with no params of its own
+            # for FSDP2 to shard: none at all, or only s_p = 1 ones (the dense plan's,
+            # beside experts with s_p > 1 on theirs), which FSDP2 then ignores.
+            mesh_p = info.mesh["p"] if info.plan.s_p > 1 else below.info.mesh["p"]
+            kwargs = {"mesh": mesh_p, **_fsdp_ignored([module])}
+            if mp_policy is not None:
+                kwargs["mp_policy"] = mp_policy
+            fsdp_fully_shard(module, **kwargs)
     if isinstance(module, nn.Module) and not info.is_expert:
         _become_root(module, info, collectives)
     return module
@@ -241,15 +248,16 @@ def _fsdp_ignored(modules: list[nn.Module]) -> dict:
     """FSDP2's ``ignored_params`` for a unit over ``modules``: the params of units below
     that FSDP2 does not shard (s_p = 1 on their mesh: experts on their own plan under a
     dense block with s_p > 1), which FSDP2 would otherwise take as the block's."""
-    ignored = {p for m in modules for sub in m.modules() if sub not in modules
-               and (u := handle.unit_of(sub)) is not None and not u.uses_fsdp
+    ignored = {p for m in modules for sub in m.modules()
+               if (u := handle.unit_of(sub)) is not None and not u.uses_fsdp
                for p in [*u.params, *u.frozen_params]}
     return {"ignored_params": ignored} if ignored else {}
 
 
-def _has_fsdp_units(module: nn.Module) -> bool:
-    return any((unit := handle.unit_of(m)) is not None and unit.uses_fsdp
-               for m in module.modules())
+def _first_fsdp_unit(module: nn.Module) -> AMSPUnit | None:
+    """The first unit below ``module`` that FSDP2 shards (s_p > 1 on its mesh), if any."""
+    return next((unit for m in module.modules() if m is not module
+                 and (unit := handle.unit_of(m)) is not None and unit.uses_fsdp), None)
 
 
 def _describe(modules: list[nn.Module]) -> str:

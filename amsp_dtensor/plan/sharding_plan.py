@@ -42,7 +42,12 @@ __all__ = [
     "resolve_factor",
     "tp_outside_node",
     "expert_parallel_world",
+    "EXPERT_DIM_PREFIX",
 ]
+
+# How the collectives of the expert mesh are named (recorder and cost model alike):
+# "expert_p", "expert_os", ... (the expert-parallel dim itself is "ep")
+EXPERT_DIM_PREFIX = "expert_"
 
 
 def resolve_factor(key: str, value: Factor, world_size: int, ranks_per_node: int) -> int:

@@ -48,7 +48,7 @@ from functools import lru_cache
 from dataclasses import asdict, dataclass
 from typing import Iterable, Protocol, Sequence, Union
 
-from ..sharding_plan import ResolvedPlan, ShardingPlan
+from ..sharding_plan import EXPERT_DIM_PREFIX, ResolvedPlan, ShardingPlan
 from ..compression import Compression, chunk_nbytes, codec_applies
 from .padding import padded_numel
 
@@ -58,6 +58,7 @@ __all__ = [
     "group_shape",
     "dim_group",
     "predicted_events",
+    "predicted_expert_events",
     "error_feedback_elements",
     "event_counter",
     "recorded_counter",
@@ -281,6 +282,34 @@ def predicted_events(
                 add("all_gather", dim, ag_os // p.s_p, "step", 1, u)
     if clip and p.s_os > 1:
         add("all_reduce", "shard", 4, "step", 1, -1)
+    return out
+
+
+def predicted_expert_events(
+    expert_plan: ResolvedPlan,
+    ep: int,
+    dp_ranks_per_node: int,
+    unit_param_shapes: Sequence[Shapes],
+    micro_batches: int,
+    dtype_bytes: int,
+    reshard_after_forward: Union[bool, int] = True,
+    clip: bool = False,
+    **kwargs,
+) -> list[PlannedComm]:
+    """The collectives of one step of the routed experts' units on their own mesh (the
+    engine's Note on expert parallelism): ``predicted_events`` of the expert plan, resolved
+    over the expert world (the data-parallel world / ``ep``), on each unit's EP-local
+    shapes, named as the engine records them ("expert_p", ...); with ``clip``, the
+    experts' part of the global norm summed over one expert copy ("expert_shard") and over
+    the ep ranks ("ep": inside a node when ``ep`` divides ``dp_ranks_per_node``). The
+    expert units are never kept unsharded after forward (no root among them). EP's own
+    token all-to-alls are the model's, not the engine's: they are not included."""
+    events = predicted_events(expert_plan, unit_param_shapes, micro_batches, dtype_bytes,
+                              None, reshard_after_forward, clip, **kwargs)
+    out = [PlannedComm(**{**e.as_dict(), "dim": EXPERT_DIM_PREFIX + e.dim}) for e in events]
+    if clip and ep > 1:
+        nodes = 1 if dp_ranks_per_node % ep == 0 else ep // dp_ranks_per_node
+        out.append(PlannedComm("all_reduce", "ep", ep, 4, nodes > 1, "step", 1, -1, 1, nodes))
     return out
 
 
