@@ -58,10 +58,11 @@ def losses(dump: Path) -> list[float]:
     return [curve[s] for s in sorted(curve)]
 
 
-def save_seed_checkpoint(dump: Path) -> Path:
+def save_seed_checkpoint(dump: Path, model: tuple[str, ...] = ("--model.name", "llama3")) -> Path:
     """One full model saved by torchtitan on one rank under ``dump``, the folder of its
-    step (for ``--checkpoint.initial_load_path``, model only)."""
-    torchrun(["--model.name", "llama3", "--checkpoint.enable",
+    step (for ``--checkpoint.initial_load_path``, model only); ``model``: the flags that
+    name it."""
+    torchrun([*model, "--checkpoint.enable",
               "--checkpoint.create_seed_checkpoint",
               "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"],
              dump, nproc=1)

@@ -33,10 +33,13 @@ def build_amsp_optimizers(
     optimizer_config: OptimizerConfig,
     parallel_dims: ParallelDims,
     ft_manager=None,
+    *,
+    balance_load: bool = False,
 ) -> AmspOptimizersContainer:
-    """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside,
-    and for MoE models torchtitan's expert-bias load balancing (moe.py), as
-    build_optimizers_with_moe_load_balancing adds it."""
+    """Like torchtitan.components.optimizer.build_optimizers, with AMSPOptimizer inside;
+    with ``balance_load`` (the TrainSpec's own optimizers were torchtitan's
+    build_optimizers_with_moe_load_balancing: deepseek_v3, llama4, gpt_oss, not qwen3)
+    also its expert-bias load balancing (moe.py)."""
     # amsp_dtensor.train refuses these before start-up (resolve_plan -> check_unsupported);
     # this repeats it for other launchers (python -m torchtitan.train with the _amsp specs).
     check_optimizer(optimizer_config, ft_manager is not None and getattr(ft_manager, "enabled", False))
@@ -51,5 +54,6 @@ def build_amsp_optimizers(
         "foreach": impl == "foreach",
     }
     container = AmspOptimizersContainer(model_parts, OPTIMIZER_CLASSES[name], kwargs)
-    register_load_balancing(container, model_parts, parallel_dims)
+    if balance_load:
+        register_load_balancing(container, model_parts, parallel_dims)
     return container

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 
 import torch
@@ -64,10 +65,18 @@ def amsp_variant(base_spec, base_name: str | None = None):
         base_spec,
         parallelize_fn=amsp_parallelize_fn(base_spec.parallelize_fn, base_name),
         pipelining_fn=amsp_pipelining_fn(base_spec.pipelining_fn),
-        build_optimizers_fn=build_amsp_optimizers,
+        build_optimizers_fn=_amsp_optimizers_like(base_spec.build_optimizers_fn),
         build_metrics_processor_fn=build_amsp_metrics_processor,
         build_dataloader_fn=reshardable_dataloader_fn(base_spec.build_dataloader_fn),
     )
+
+
+def _amsp_optimizers_like(base_fn):
+    """The AMSP optimizers builder for a TrainSpec whose own is ``base_fn``: with
+    torchtitan's MoE load balancing exactly where the base has it."""
+    if getattr(base_fn, "__name__", "") == "build_optimizers_with_moe_load_balancing":
+        return functools.partial(build_amsp_optimizers, balance_load=True)
+    return build_amsp_optimizers
 
 
 def amsp_pipelining_fn(base_fn):
