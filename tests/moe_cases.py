@@ -92,7 +92,8 @@ CKPT_STEPS, CKPT_AT = 6, 3
 def save_case(rank, world, path):
     """The uninterrupted run's losses; then a run to CKPT_AT saved, and its full state."""
     from amsp_dtensor import checkpoint
-    from amsp_dtensor.testing.moe import build_moe, full_state, train_moe
+    from amsp_dtensor.testing.moe import build_moe, train_moe
+    from amsp_dtensor.testing.scenarios import full_state
 
     ep, dense, expert = SAVED
     model, optim = build_moe(dense, expert, ep)
@@ -108,7 +109,8 @@ def resume_case(rank, world, path):
     and the losses of the remaining steps (micro-batches doubled: the same global batch on
     half the ranks)."""
     from amsp_dtensor import checkpoint
-    from amsp_dtensor.testing.moe import build_moe, full_state, train_moe
+    from amsp_dtensor.testing.moe import build_moe, train_moe
+    from amsp_dtensor.testing.scenarios import full_state
 
     ep, dense, expert = RESUMED
     model, optim = build_moe(dense, expert, ep)

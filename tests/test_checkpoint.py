@@ -81,18 +81,10 @@ def _train(model, optim, rank, world, steps):
 
 
 def _full_state(model, optim):
-    """Full weights and every optimizer state as whole tensors (collective; rank 0 keeps)."""
-    import amsp_dtensor as amsp
-    from amsp_dtensor.testing.scenarios import full_weights
+    """Full weights and every optimizer state as whole tensors (collective)."""
+    from amsp_dtensor.testing.scenarios import full_state
 
-    weights = full_weights(model)
-    states = {}
-    for fqn, entry in optim.state_dict()["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                full = amsp.gather_full(value) if hasattr(value, "full_tensor") else value
-                states[f"{fqn}.{key}"] = full.detach().clone()
-    return {"weights": weights, "optim": states}
+    return full_state(model, optim)
 
 
 def _saved_at(tmp, world, plan):

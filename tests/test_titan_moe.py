@@ -86,7 +86,9 @@ def test_moe_loss_matches_torchtitan_fsdp2_ep(model, pair, reference, tmp_path):
               *_load(seed)], tmp_path, timeout=900)
     got = losses(tmp_path)
     assert len(got) == len(want) == STEPS
-    assert want[-1] < want[0]  # it trains: not a comparison of flat lines
+    # it trains (not a comparison of flat lines): deepseek_v3's debug flavor at this
+    # learning rate drops at step 2 and rises at 3 (6.228, 5.915, 6.352)
+    assert min(want[1:]) < want[0] - 0.05
     for step, (a, b) in enumerate(zip(got, want), start=1):
         assert abs(a - b) <= REL_TOL * abs(b), (model, pair, step, got, want)
     tb = scalars(tmp_path)  # the experts' plan and bytes are reported on their own

@@ -12,7 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .scenarios import MAX_NORM, OPTIMIZERS, full_weights, global_batches, local_micro_batch
+from .scenarios import (MAX_NORM, OPTIMIZERS, full_weights, global_batches,
+                        micro_batch_backwards)
 from .tiny_llama import loss_fn
 from .tiny_moe import TinyMoE, TinyMoEConfig, expert_parallelize
 
@@ -110,12 +111,8 @@ def train_moe(model, optim, rank, world_size, steps, micro_batches=2, record_ste
         record = amsp.record_comms(recorder) if step == record_step else contextlib.nullcontext()
         total = torch.zeros(1)
         with record:
-            for micro in range(micro_batches):
-                mb = local_micro_batch(batch, rank, world_size, micro)
-                last = micro == micro_batches - 1
-                with contextlib.nullcontext() if last else amsp.no_sync(model):
-                    loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
-                    loss.backward()
+            for micro, _, loss in micro_batch_backwards(model, batch, rank, world_size,
+                                                        micro_batches):
                 total += loss.detach()
                 if memory is not None and step == steps[0] and micro == 0:
                     memory.update({g: amsp.memory_by_state(model, group=g)["grad"]
@@ -144,20 +141,6 @@ def moe_training(rank, world_size, dense, expert, ep, steps, micro_batches=2,
     weights = full_weights(model)
     return {"losses": losses, "norms": norms, "weights": weights if rank == 0 else None,
             "memory": memory, "events": events}
-
-
-def full_state(model, optim) -> dict:
-    """Whole weights and every optimizer state as whole tensors (a collective; every rank
-    gets them)."""
-    import amsp_dtensor as amsp
-
-    states = {}
-    for fqn, entry in optim.state_dict()["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                full = amsp.gather_full(value) if hasattr(value, "full_tensor") else value
-                states[f"{fqn}.{key}"] = full.detach().clone()
-    return {"weights": full_weights(model), "optim": states}
 
 
 def reference_training(world_size, steps, micro_batches=2):

@@ -69,6 +69,20 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_state(model, optim) -> dict:
+    """{"weights": every parameter whole, "optim": every optimizer state whole, keyed
+    "<fqn>.<state>"} (a collective: every rank calls it, every rank gets them)."""
+    from ..engine.layouts import gather_full
+
+    states = {}
+    for fqn, entry in optim.state_dict()["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                full = gather_full(value) if hasattr(value, "full_tensor") else value
+                states[f"{fqn}.{key}"] = full.detach().clone()
+    return {"weights": full_weights(model), "optim": states}
+
+
 def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, variant="",
                        optimizer="adamw"):
     """One process, whole global batch, fp32 master weights + AdamW, same clipping; the

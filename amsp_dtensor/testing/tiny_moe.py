@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import compat
-from .tiny_llama import Attention, FeedForward, RMSNorm, TinyLlamaConfig
+from .tiny_llama import Attention, FeedForward, RMSNorm, TinyLlama, TinyLlamaConfig
 
 
 @dataclass
@@ -130,9 +130,11 @@ class MoEBlock(nn.Module):
         return x + ffn(self.ffn_norm(x))
 
 
-class TinyMoE(nn.Module):
+class TinyMoE(TinyLlama):
+    """The tiny llama (its forward) with MoE blocks after the first ``n_dense_layers``."""
+
     def __init__(self, cfg: TinyMoEConfig | None = None):
-        super().__init__()
+        nn.Module.__init__(self)  # TinyLlama's own blocks are not made (nor drawn from the RNG)
         cfg = cfg or TinyMoEConfig()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -140,12 +142,6 @@ class TinyMoE(nn.Module):
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    def forward(self, tokens):
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.output(self.norm(x))
 
     def experts(self) -> list[GroupedExperts]:
         return [block.moe.experts for block in self.layers if block.moe is not None]
