@@ -4,9 +4,12 @@ Applied by ``apply()`` only when no accelerator exists (``torch.accelerator.is_a
 is False); on a GPU machine this module changes nothing. Each shim names the error it
 answers, seen on torch 2.13+cpu with torchtitan 0.2.2, and which torch versions need it:
 most answer torchtitan 0.2.2 assuming CUDA, which no torch version changes; (4) and (6)
-answer torch behaviour that torch 2.13, 2.14 and 2.15 all still have (docs/torch_versions.md).
-Where the bug is absent a shim does nothing: (1) when a real triton is installed (the
-CUDA builds of torch bring one), (2) when torch finds a device. ``apply()`` must run
+answer torch behaviour that torch 2.13, 2.14 and 2.15 all still have (docs/torch_versions.md),
+(10) torch 2.13's (2.14 and 2.15 unchecked: it probes). (1) and (10) let torchtitan's own
+MoE models (its FSDP2 and expert parallelism) train on CPU, with the numbers its GPU path
+computes. Where the bug is absent a shim does nothing: (1) when a real triton is installed
+(the CUDA builds of torch bring one), (2) when torch finds a device, (10) when CPU histc
+takes int64. ``apply()`` must run
 before ``torchtitan`` is first imported (shims 1 and 2 act at import time); it is
 idempotent.
 """
@@ -48,6 +51,7 @@ def apply() -> bool:
     _no_nccl_error_handling_env()
     _no_gpu_peak_flops_probe()
     _cpu_only_profiler()
+    _integer_histc_for_moe_routing()
     _applied = True
     return True
 
@@ -55,8 +59,15 @@ def apply() -> bool:
 # (1) `import torchtitan` -> components/quantization -> models/moe/utils.py imports the
 #     triton kernels module at import time:
 #       ModuleNotFoundError: No module named 'triton'
-#     The kernels are only used by MoE token permutation (not by llama3). A stub module
-#     stands in for them and fails loudly if an MoE model ever calls it on CPU.
+#     The kernels are only used by MoE token permutation (models/moe/utils.py's _permute,
+#     under expert parallelism or grouped_mm experts), and torchtitan ships a CPU
+#     reference beside them (`generate_permute_indices(..., use_cpu=True)`, which fills
+#     the indices with `fill_indices_cpu`). A stand-in module holds torchtitan's own
+#     `generate_permute_indices` and `fill_indices_cpu`, taken from the installed
+#     kernels.py without its triton parts (nothing named triton is imported), and its
+#     `fill_indices_wrapper` (the triton launch) runs `fill_indices_cpu`: _permute's call
+#     (use_cpu left False) then computes the same indices, sizes and offsets as the
+#     kernel. If that source lacks the two functions, the names fail loudly when called.
 #     Needed wherever triton is missing (torch's CPU wheels, any version); the CUDA builds
 #     of torch 2.14.1 and 2.15.0 install triton, and then nothing is stubbed.
 def _stub_moe_triton_kernels() -> None:
@@ -70,17 +81,56 @@ def _stub_moe_triton_kernels() -> None:
     except ImportError:
         pass
     stub = types.ModuleType(name)
-
-    def _needs_triton(*args, **kwargs):
-        raise RuntimeError(
-            "torchtitan MoE token permutation needs triton (GPU); amsp_dtensor's CPU shims "
-            "only cover dense models such as llama3"
-        )
-
-    stub.generate_permute_indices = _needs_triton
-    stub.fill_indices_wrapper = _needs_triton
     stub.__all__ = ["generate_permute_indices", "fill_indices_wrapper"]
+    if not _load_cpu_permute_indices(stub):
+        def _needs_triton(*args, **kwargs):
+            raise RuntimeError(
+                "torchtitan MoE token permutation needs triton (GPU), and this torchtitan's "
+                "models/moe/kernels.py has no fill_indices_cpu / generate_permute_indices "
+                "to run on CPU"
+            )
+
+        stub.generate_permute_indices = _needs_triton
+        stub.fill_indices_wrapper = _needs_triton
     sys.modules[name] = stub
+
+
+def _load_cpu_permute_indices(stub: types.ModuleType) -> bool:
+    """Put torchtitan's ``fill_indices_cpu`` and ``generate_permute_indices`` (from the
+    installed models/moe/kernels.py, its imports of triton and its triton kernel left
+    out) into ``stub``, with ``fill_indices_wrapper`` running ``fill_indices_cpu``.
+    False if the source or either function is missing."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchtitan")  # finds it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = os.path.join(list(spec.submodule_search_locations)[0], "models", "moe", "kernels.py")
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except OSError:
+        return False
+    wanted = {"fill_indices_cpu", "generate_permute_indices"}
+    body = [node for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    if {node.name for node in body} != wanted:
+        return False
+    stub.__file__ = path
+    stub.torch = torch
+    exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), stub.__dict__)
+    fill_indices_cpu = stub.fill_indices_cpu
+
+    def fill_indices_wrapper(tokens_per_expert_group, start_index_values, write_offsets,
+                             experts_per_rank, num_ranks, max_len, block_size=128,
+                             max_blocks=1024):
+        # the triton launch's signature; block_size and max_blocks only shape its grid
+        return fill_indices_cpu(tokens_per_expert_group, start_index_values, write_offsets,
+                                experts_per_rank, num_ranks, max_len)
+
+    stub.fill_indices_wrapper = fill_indices_wrapper
+    return True
 
 
 # (2) torchtitan/tools/utils.py probes `_get_available_device_type() or "cuda"`, so with no
@@ -322,3 +372,36 @@ def _cpu_only_profiler() -> None:
     proxy.__getattr__ = lambda name: getattr(torch, name)  # the rest is torch's own
     proxy.profiler = profiler
     titan_profiling.torch = proxy
+
+
+# (10) torchtitan's MoE router and token reorderer (models/moe/moe.py) count the tokens of
+#     each expert with torch.histc on the int64 expert ids (qwen3 *_moe, deepseek_v3,
+#     llama4 flavors), which the CUDA kernel accepts and the CPU kernel does not (first
+#     forward, every rank):
+#       NotImplementedError: "histogram_cpu" not implemented for 'Long'
+#     The torch that module sees is torch with a histc that, for an integer input, counts
+#     in float64 and returns the input's dtype, as the CUDA kernel does: the counts are
+#     integers (exact in float64 below 2**53) and with torchtitan's bins = max - min = the
+#     number of experts each id lands in its own bin, so the counts, their dtype, and the
+#     all-to-all splits built from them are the GPU path's. Floating inputs go to torch's
+#     histc unchanged. Seen with torchtitan 0.2.2 on torch 2.13 (its CPU histogram kernel
+#     is floating-only); 2.14 and 2.15 are not checked here, so the shim probes: where CPU
+#     histc takes int64 it does nothing.
+def _integer_histc_for_moe_routing() -> None:
+    real = torch.histc
+    try:
+        real(torch.zeros(1, dtype=torch.int64), bins=1, min=0, max=1)
+        return  # this torch counts integers on CPU: nothing to shim
+    except (NotImplementedError, RuntimeError):
+        pass
+    import torchtitan.models.moe.moe as moe
+
+    def histc(input, bins=100, min=0, max=0, *, out=None):
+        if out is not None or input.is_floating_point():
+            return real(input, bins=bins, min=min, max=max, out=out)
+        return real(input.double(), bins=bins, min=min, max=max).to(input.dtype)
+
+    proxy = types.ModuleType("torch")
+    proxy.__getattr__ = lambda name: getattr(torch, name)  # the rest is torch's own
+    proxy.histc = histc
+    moe.torch = proxy
