@@ -1,12 +1,12 @@
 """Mixture-of-experts models through torchtitan 0.2.2 with AMSP.
 
-Parity: torchtitan's own FSDP2 + expert parallelism (``--model.name qwen3``) and AMSP
-(``qwen3_amsp``) under several (dense plan, expert plan) pairs, from the same weights
+Parity: torchtitan's own FSDP2 + expert parallelism (``--model.name deepseek_v3``) and AMSP
+(``deepseek_v3_amsp``) under several (dense plan, expert plan) pairs, from the same weights
 (torchtitan's seed checkpoint, ``--checkpoint.initial_load_path``), fp32, 4 ranks as 2
 simulated nodes x 2, ep 2: the loss of every step within 1e-5 relative.
-``AMSP_TITAN_MOE_STEPS`` steps (3 in CI; 10 by hand), ``AMSP_TITAN_MOE_PAIRS`` (two pairs
-in CI, "all" by hand) and ``AMSP_TITAN_MOE_MODELS`` (qwen3 in CI; qwen3,deepseek_v3 by
-hand): tools/titan_moe_parity.sh runs the whole comparison. Then the one-line refusals of the
+``AMSP_TITAN_MOE_STEPS`` steps (3 in CI; 10 by hand), ``AMSP_TITAN_MOE_PAIRS`` ("all") and
+``AMSP_TITAN_MOE_MODELS`` (deepseek_v3 in CI; qwen3,deepseek_v3 by hand):
+tools/titan_moe_parity.sh runs the whole comparison. Then the one-line refusals of the
 [amsp] expert factors and of expert parallelism where they cannot work.
 """
 
@@ -28,8 +28,10 @@ MODELS = {
     "qwen3": ("--model.flavor", "debugmodel_moe", "--training.seq_len", "64"),
     "deepseek_v3": ("--model.flavor", "debugmodel", "--training.seq_len", "64"),
 }
-# the models CI compares (AMSP_TITAN_MOE_MODELS=qwen3,deepseek_v3 for both)
-RUN_MODELS = os.environ.get("AMSP_TITAN_MOE_MODELS", "qwen3").split(",")
+# the models CI compares (AMSP_TITAN_MOE_MODELS=qwen3,deepseek_v3 for both): deepseek_v3,
+# whose CPU experts run in fp32 (about 40 s a run of 3 steps here); qwen3's run in bf16
+# grouped matmuls (torchtitan's own, on CPU too) at about 30 s a step
+RUN_MODELS = os.environ.get("AMSP_TITAN_MOE_MODELS", "deepseek_v3").split(",")
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.steps", str(STEPS)]
 # (dense plan, expert plan) on 4 ranks, 2 per node; under ep 2 the expert world is 2 ranks,
 # 1 per node
@@ -40,10 +42,7 @@ PAIRS = {
     # the experts sharded more than the dense layers (p1 beside p2)
     "dense-p1-g1-os2-experts-p2-g2-os2": ((1, 1, 2), (2, 2, 2)),
 }
-# the pairs CI compares (one run of 3 steps is about 90 s here); AMSP_TITAN_MOE_PAIRS=all
-# for every one
-CI_PAIRS = "titan-layout,dense-p1-g1-os2-experts-p2-g2-os2"
-_pairs = os.environ.get("AMSP_TITAN_MOE_PAIRS", CI_PAIRS)
+_pairs = os.environ.get("AMSP_TITAN_MOE_PAIRS", "all")  # or a comma-separated list
 RUN_PAIRS = list(PAIRS) if _pairs == "all" else _pairs.split(",")
 
 
@@ -99,6 +98,32 @@ def test_moe_loss_matches_torchtitan_fsdp2_ep(model, pair, reference, tmp_path):
 MOE = ["--model.name", "qwen3_amsp", "--model.flavor", "debugmodel_moe"]
 
 
+PP_EP = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+         "--training.global_batch_size", "-1"]
+
+
+@pytest.mark.skipif(os.environ.get("AMSP_TITAN_MOE_8") != "1",
+                    reason="8 ranks (about 4 minutes here): AMSP_TITAN_MOE_8=1, as "
+                           "tools/titan_moe_parity.sh sets")
+def test_deepseek_v3_pipeline_and_expert_parallel_on_8_ranks(reference, tmp_path_factory):
+    """8 ranks = pp 2 x 4 data-parallel ranks, ep 2 inside each stage (the recipe's nodes
+    of 2 ranks): torchtitan's own FSDP2 + PP + EP against AMSP with the recipe's dense
+    plan p2-g2-os4 and torchtitan's expert layout (p2-g2-os2 over each stage's expert world
+    of 2), from the same seed. Under PP the losses are read from TensorBoard (rank 0's
+    console line is a sentinel)."""
+    seed, _ = reference("deepseek_v3")
+    curves = {}
+    for name in ("deepseek_v3", "deepseek_v3_amsp"):
+        dump = tmp_path_factory.mktemp(f"pp_ep_{name}")
+        torchrun(["--model.name", name, *MODELS["deepseek_v3"], *EP2, *PP_EP, *_load(seed)],
+                 dump, nproc=8, timeout=1200)
+        curves[name] = losses(dump)
+    want, got = curves["deepseek_v3"], curves["deepseek_v3_amsp"]
+    assert len(got) == len(want) == STEPS and min(want[1:]) < want[0] - 0.05
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= REL_TOL * abs(b), (step, got, want)
+
+
 @pytest.mark.parametrize("argv, world, local, starts_with", [
     ([*MOE, "--parallelism.expert_parallel_degree", "2", "--amsp.expert_optim_shard", "4"],
      4, 2, "amsp.expert_optim_shard=4: does not divide the expert world size 2; valid factors "
@@ -126,12 +151,14 @@ MOE = ["--model.name", "qwen3_amsp", "--model.flavor", "debugmodel_moe"]
      "expert_* factors"),
     (["--parallelism.expert_parallel_degree", "2"], 4, 2,
      "parallelism.expert_parallel_degree=2: llama3_amsp debugmodel has no MoE layers"),
+    ([*MOE, "--parallelism.pipeline_parallel_degree", "2", "--amsp.optim_shard", "2"], 4, 2,
+     "parallelism.pipeline_parallel_degree=2: qwen3_amsp has no pipelining_fn in torchtitan"),
     ([*MOE, "--parallelism.expert_parallel_degree", "2", "--amsp.plan", "auto"], 4, 2,
      "amsp.plan='auto' with expert parallelism or [amsp] expert factors: the planner does "
      "not choose expert plans yet"),
 ], ids=["expert-factor-outside-the-expert-world", "expert-chain-rule", "ep-not-dividing-ranks",
         "ep-not-dividing-experts", "ep-with-tp", "etp", "expert-keys-on-a-dense-model",
-        "ep-on-a-dense-model", "auto-with-experts"])
+        "ep-on-a-dense-model", "pp-on-a-model-without-pipelining", "auto-with-experts"])
 def test_expert_refusals_are_one_line_before_start_up(argv, world, local, starts_with,
                                                       monkeypatch, capsys):
     if local == 3:

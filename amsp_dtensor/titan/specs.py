@@ -207,6 +207,11 @@ def check_model(job_config) -> None:
     if tp > 1 and base_module is not None:
         tp_apply_fn(base_module, tp)  # a recipe without apply_tp
     check_loss_parallel(job_config, spec)
+    pp = job_config.parallelism.pipeline_parallel_degree
+    if pp > 1 and spec.pipelining_fn is None:  # torchtitan says so only after start-up
+        raise AmspConfigError(
+            f"parallelism.pipeline_parallel_degree={pp}: {name} has no pipelining_fn in "
+            "torchtitan (its TrainSpec cannot be cut into stages); set it to 1")
     if flavor not in spec.model_args:
         return  # torchtitan's own KeyError names the flavors
     args = copy.deepcopy(spec.model_args[flavor])
