@@ -322,6 +322,23 @@ def test_pipeline_parallel_is_refused_in_one_line_on_every_launch_path(path, tmp
     assert _refused(argv, pythonpath) == f"{prog}: {PP_REFUSED}"
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["--job.config_file", str(RECIPE), "--parallelism.expert_parallel_degree", "2"],
+     "parallelism.expert_parallel_degree=2: AMSP on torchtitan 0.3 runs without expert "
+     "parallelism (not ported from 0.2.2 yet); set it to 1"),
+    ([*REGISTRY, "--parallelism.expert_parallel_degree", "2"],
+     "parallelism.expert_parallel_degree=2: AMSP on torchtitan 0.3 runs without expert "
+     "parallelism"),
+    (["--job.config_file", str(RECIPE), "--amsp.expert_param_shard", "2"],
+     "amsp.expert_param_shard=2: AMSP on torchtitan 0.3 has no expert plan"),
+], ids=["ep-toml", "ep-registry", "expert-key-toml"])
+def test_expert_parallelism_and_expert_keys_are_refused_on_03(argv, line):
+    """0.2.2's MoE path is not ported: the flags that would ask for it are refused, not
+    ignored (0.3 would otherwise build its own EP meshes that AMSP never uses)."""
+    got = _refused(["-m", "amsp_dtensor.train", *argv])
+    assert got.startswith(f"amsp_dtensor.train: error: {line}"), got
+
+
 @pytest.mark.parametrize("args,line", [
     (["--amsp.bogus", "1"], "amsp.bogus: unknown key in [amsp]"),
     (["--training.stepz", "1"], "--training.stepz: unknown flag for torchtitan 0.3's "

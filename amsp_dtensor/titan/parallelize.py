@@ -28,7 +28,7 @@ from ..compat import titan_sac_save_list
 from .validate import (AmspConfigError, compression_of, job_expert_plan, job_plan,
                        job_ranks_per_node, reshard_after_forward_of)
 from .units import (_blocks, _end_units, amsp_plan_of, compile_blocks,  # noqa: F401
-                    log_applied, mixed_precision, plan_mesh, shard_units)
+                    log_applied, mixed_precision, plan_mesh, routed_experts, shard_units)
 from .weights import init_full_model
 
 
@@ -49,7 +49,13 @@ def amsp_parallelize_fn(base_fn, base_name: str | None = None):
         plan = job_plan(job_config, world=parallel_dims.world_size)  # resolved once per job
         expert_plan = job_expert_plan(job_config, world=parallel_dims.world_size)
         tp, pp, ep = parallel_dims.tp, parallel_dims.pp, parallel_dims.ep
-        _blocks(model)  # one unit per transformer block: refused here without model.layers
+        blocks = _blocks(model)  # one unit per block: refused here without model.layers
+        if expert_plan is not None and pp == 1 and not any(map(routed_experts, blocks)):
+            # amsp_dtensor.train refuses this before start-up (specs.check_model); here for
+            # torchtitan's own launcher, which would otherwise build an unused expert mesh
+            raise AmspConfigError(
+                f"parallelism.expert_parallel_degree={ep} / [amsp] expert_*: "
+                f"{type(model).__name__} has no MoE layers; set it to 1 and remove them")
         mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job_config), ep, expert_plan)
         full_init = job_config.amsp.init_full_model
         if full_init and (tp > 1 or ep > 1):

@@ -32,7 +32,7 @@ from ..rng import STATE_KEY as RNG_KEY
 from ..rng import RngState
 from ..steps import AmspSteps
 from ..units import amsp_plan_of
-from ..validate import job_plan
+from ..validate import experts_configured, job_plan
 from ..weights import reinit_like_single_process
 from .dataloader import amsp_dataloader_config
 from .job import job_view
@@ -63,7 +63,19 @@ def check_job(config) -> None:
     if moe:
         raise AmspConfigError(
             f"model: {config.model_spec.name} {config.model_spec.flavor} has {len(moe)} MoE "
-            "layers, and AMSP does not shard MoE experts; use a dense flavor")
+            "layers, and AMSP on torchtitan 0.3 does not shard MoE experts (not ported from "
+            "0.2.2 yet); use a dense flavor")
+    ep = config.parallelism.expert_parallel_degree
+    if ep != 1:
+        raise AmspConfigError(
+            f"parallelism.expert_parallel_degree={ep}: AMSP on torchtitan 0.3 runs without "
+            "expert parallelism (not ported from 0.2.2 yet); set it to 1")
+    configured = experts_configured(config.amsp) if hasattr(config, "amsp") else []
+    if configured:
+        key = configured[0]
+        raise AmspConfigError(
+            f"amsp.{key}={getattr(config.amsp, key)!r}: AMSP on torchtitan 0.3 has no expert "
+            "plan (MoE is not ported from 0.2.2 yet); remove the [amsp] expert_* factors")
     if not config.training.disable_cuda_graphs:
         raise AmspConfigError(
             "training.disable_cuda_graphs=False: AMSP allocates and frees its gradient "
