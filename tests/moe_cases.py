@@ -121,9 +121,55 @@ def resume_case(rank, world, path):
     return {"rest": rest, "state": state}
 
 
+INT8 = {"grads": "int8"}
+OTHER_EXPERTS = (2, (2, 2, 4), (2, 2, 2))  # SAVED's dense plan and ep, another expert plan
+
+
+def compressed_checkpoint_case(rank, world, path):
+    """int8 gradients (SAVED: the dense os and the experts' os stages cross nodes): save at
+    step 2 of 4, resume under the same pair (every residual restored bit-identically, the
+    same losses), and under another expert plan (its residuals reset with a warning)."""
+    import warnings
+
+    from amsp_dtensor import checkpoint
+    from amsp_dtensor.engine.handle import root_state
+    from amsp_dtensor.testing.moe import build_moe, train_moe
+
+    def residuals(model):
+        return {f"{i}.{k}": v.clone() for i, u in enumerate(root_state(model).units)
+                for k, v in u.residual_state().items()}
+
+    ep, dense, expert = SAVED
+    model, optim = build_moe(dense, expert, ep, INT8)
+    train_moe(model, optim, rank, world, range(2))
+    checkpoint.save(path, 2, model, optim)
+    saved = residuals(model)
+    expert_units = [i for i, u in enumerate(root_state(model).units) if u.info.is_expert]
+    straight, _, _ = train_moe(model, optim, rank, world, range(2, 4))
+    model, optim = build_moe(dense, expert, ep, INT8)
+    checkpoint.load(checkpoint.step_path(path, 2), model, optim)
+    loaded = residuals(model)
+    resumed, _, _ = train_moe(model, optim, rank, world, range(2, 4))
+    ep, dense, expert = OTHER_EXPERTS
+    model, optim = build_moe(dense, expert, ep, INT8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.load(checkpoint.step_path(path, 2), model, optim)
+    return {
+        "expert_residuals": [k for k in saved if int(k.split(".")[0]) in expert_units],
+        "restored": loaded.keys() == saved.keys() and all(
+            torch.equal(loaded[k], saved[k]) for k in saved),
+        "straight": straight, "resumed": resumed,
+        "other_warnings": [str(w.message) for w in caught if "error-feedback" in str(w.message)],
+        "other_residuals": len(residuals(model)),
+    }
+
+
 def cases(path: str) -> dict:
     out = {("pair", *pair): partial(pair_case, ep=pair[0], dense=pair[1], expert=pair[2])
            for pair in pairs()}
     out["errors"] = error_case
     out["save"] = partial(save_case, path=path)
+    out["compressed_checkpoint"] = partial(compressed_checkpoint_case,
+                                           path=path + "-compressed")
     return out

@@ -223,3 +223,20 @@ def test_checkpoint_resumes_under_another_ep_plan_pair_and_world(world, resumed)
         rest = saved["whole"][CKPT_AT:]
         assert rel_diff(got["rest"], rest) <= TOLERANCE, (got["rest"], rest)
     assert SAVED[0] != RESUMED[0] and SAVED[1:] != RESUMED[1:]
+
+
+def test_compression_residuals_of_both_groups_resume(world):
+    """With int8 gradients the error-feedback residuals of the dense and the expert units
+    are saved and restored bit-identically under the same plan pair (the resumed steps'
+    losses equal the uninterrupted run's); under another expert plan they start from zero
+    with one warning (their key names the expert plan too)."""
+    out = world.get("compressed_checkpoint")
+    for rank, got in enumerate(out):
+        assert got["expert_residuals"], rank  # the experts' os stage crosses nodes
+        assert got["restored"], rank
+        assert got["resumed"] == got["straight"], (rank, got["resumed"], got["straight"])
+        assert got["other_residuals"] == 0
+    warned = out[0]["other_warnings"]  # rank 0 warns, once
+    assert len(warned) == 1 and "experts p1-g1-os2 on 2 ranks x ep 2" in warned[0], warned
+    assert "experts p2-g2-os2 on 2 ranks x ep 2: they start from zero" in warned[0], warned
+    assert all(not got["other_warnings"] for got in out[1:])

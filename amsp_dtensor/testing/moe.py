@@ -83,15 +83,17 @@ def shard_moe(model: TinyMoE, mesh, ep: int) -> None:
     amsp.fully_shard(model, mesh=mesh)
 
 
-def build_moe(dense, expert, ep):
+def build_moe(dense, expert, ep, compression: dict | None = None):
     """The tiny MoE under (dense plan, expert plan) tuples with EP degree ``ep``, and its
-    AMSPOptimizer (AdamW)."""
+    AMSPOptimizer (AdamW); ``compression``: keyword arguments of amsp.set_compression."""
     import amsp_dtensor as amsp
 
     reuse_process_groups()
     mesh = moe_mesh(dense, expert, ep, int(os.environ["LOCAL_WORLD_SIZE"]))
     model = make_moe()
     shard_moe(model, mesh, ep)
+    if compression:
+        amsp.set_compression(model, **compression)
     cls, kwargs = OPTIMIZERS["adamw"]
     return model, amsp.AMSPOptimizer(model, cls, **kwargs)
 
