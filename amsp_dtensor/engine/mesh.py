@@ -67,7 +67,6 @@ MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
 PP_DIM = "pp"
 EP_DIM = "ep"
-EXPERT_PREFIX = EXPERT_DIM_PREFIX  # how the expert mesh's collectives are recorded
 
 __all__ = ["EP_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM", "expert_mesh", "init_mesh", "MeshInfo",
            "mesh_info"]
@@ -89,7 +88,7 @@ class MeshInfo:
     pp_mesh: DeviceMesh | None = None
     job_ranks_per_node: int | None = None  # set when pp > 1 (a stage may be under a node)
     mp_dim: str = TP_DIM
-    label_prefix: str = ""  # EXPERT_PREFIX on an expert mesh (what the recorder names)
+    label_prefix: str = ""  # EXPERT_DIM_PREFIX on an expert mesh (what the recorder names)
     # on a dense mesh built with ep > 1 or an expert_plan: the expert mesh's MeshInfo
     expert: "MeshInfo | None" = None
     _groups: dict = field(default_factory=dict)
@@ -282,7 +281,7 @@ def init_mesh(
     dims = (job_world, job_per_node, pp)
     info = _build(resolved, device_type, *dims, tp, TP_DIM, "")
     if expert is not None:
-        info.expert = _build(expert, device_type, *dims, ep, EP_DIM, EXPERT_PREFIX)
+        info.expert = _build(expert, device_type, *dims, ep, EP_DIM, EXPERT_DIM_PREFIX)
     return info.pp_mesh or info.mesh
 
 
@@ -345,9 +344,8 @@ def _resolved_expert(plan, expert_plan, ep, dp_world, dp_per_node, tp, pp):
         key, expert_plan = "plan (the expert plan by default; pass expert_plan=)", plan
     else:
         key = "expert_plan"
-    world = (f"expert world: the ranks holding the same experts, one per ep={ep} group "
-             "of each stage" if pp > 1 else
-             f"expert world: the ranks holding the same experts, one per ep={ep} group")
+    world = (f"expert world: the ranks holding the same experts, one per ep={ep} group"
+             + (" of each stage" if pp > 1 else ""))
     return _resolved(expert_plan, key, e_world, e_per_node, tp, pp, world=world)
 
 

@@ -213,6 +213,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
         # under TP, the params every tp rank holds whole (SequenceParallel norms): their
         # share of the global grad norm is counted on one tp rank only
+        # [(MeshInfo, its units)]: the dense mesh's first, then the expert mesh's (the
+        # global norm sums each over its own copy)
+        by_mesh: dict[int, tuple] = {}
+        for unit in self._root.units:
+            by_mesh.setdefault(id(unit.info), (unit.info, []))[1].append(unit)
+        self._units_by_mesh = sorted(by_mesh.values(), key=lambda pair: pair[0].is_expert)
         self._tp_replicated = [isinstance(p, Replicate) for u in self._root.units
                                for p in (u.tp_placements or [None] * len(u.params))]
         self.optimizer_class = optimizer_class  # what the user asked for (checkpoints name it)
@@ -397,7 +403,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         device = self._masters[0].device if self._masters else torch.device("cpu")
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         totals, grads = [], []
-        for info, units in self._units_by_mesh():
+        for info, units in self._units_by_mesh:
             total, own = self._mesh_norm_total(info, units, norm_type, device)
             if info.size("shard") > 1:
                 units[0].collectives.all_reduce(total, "shard", phase="step", op=op).wait()
@@ -412,13 +418,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
             return totals[0], grads
         stacked = torch.stack(totals)
         return (stacked.amax(0) if math.isinf(norm_type) else stacked.sum(0)), grads
-
-    def _units_by_mesh(self) -> list[tuple]:
-        """[(MeshInfo, its units)]: the dense mesh's first, then the expert mesh's."""
-        by_info: dict[int, tuple] = {}
-        for unit, _ in self._unit_masters:
-            by_info.setdefault(id(unit.info), (unit.info, []))[1].append(unit)
-        return sorted(by_info.values(), key=lambda pair: pair[0].is_expert)
 
     def _mesh_norm_total(self, info, units, norm_type: float, device):
         """(this rank's sum of |g|^norm_type (max) over ``units``' master grads, those

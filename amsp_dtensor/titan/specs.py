@@ -32,6 +32,7 @@ import importlib.util
 import torch
 import torch.nn as nn
 
+from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.protocols import train_spec as _train_spec
 
 from ..compat import titan_builtin_models, titan_extra_train_specs
@@ -74,7 +75,7 @@ def amsp_variant(base_spec, base_name: str | None = None):
 def _amsp_optimizers_like(base_fn):
     """The AMSP optimizers builder for a TrainSpec whose own is ``base_fn``: with
     torchtitan's MoE load balancing exactly where the base has it."""
-    if getattr(base_fn, "__name__", "") == "build_optimizers_with_moe_load_balancing":
+    if base_fn is build_optimizers_with_moe_load_balancing:
         return functools.partial(build_amsp_optimizers, balance_load=True)
     return build_amsp_optimizers
 
