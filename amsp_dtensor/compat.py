@@ -153,6 +153,8 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
     ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
+    ("torch.distributed._functional_collectives", "all_to_all_single"),
+    ("torch", "ops._c10d_functional.all_to_all_single.default"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
@@ -540,6 +542,21 @@ def torch_dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def functional_all_to_all_op():
+    """The aten-level op of a functional all-to-all (``all_to_all_single`` and, forward and
+    backward, ``all_to_all_single_autograd``): what a dispatch mode sees of expert
+    parallelism's token exchange."""
+    return torch.ops._c10d_functional.all_to_all_single.default
+
+
+def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Each rank's ``counts`` split evenly over ``group`` and exchanged, waited for: expert
+    parallelism's token-count exchange, as torchtitan's (a functional collective)."""
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    return all_to_all_single(counts, None, None, group).wait()
 
 
 def in_backward() -> bool:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from amsp_dtensor.plan import ShardingPlan, expert_parallel_world
-from amsp_dtensor.plan.cost.comm import (event_counter, predicted_events,
-                                         predicted_expert_events)
+from amsp_dtensor.plan.cost.comm import (event_counter, predicted_ep_events,
+                                         predicted_events, predicted_expert_events)
+from amsp_dtensor.testing.scenarios import MICRO_BATCH, SEQ_LEN
 from amsp_dtensor.testing.moe import reference_training
 from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.tiny_moe import TinyMoE, TinyMoEConfig
@@ -160,8 +161,9 @@ def _unit_shapes() -> tuple[list, int, list]:
 def test_recorded_collectives_equal_the_cost_model(world, ep, dense, expert):
     """Every collective of a step (2 micro-batches, clipping), by op, mesh dim, group
     size, bytes, locality and phase, equals the cost model's: predicted_events of the dense
-    plan on the dense units, plus predicted_expert_events of the expert plan on the
-    experts' EP-local shapes."""
+    plan on the dense units, predicted_expert_events of the expert plan on the experts'
+    EP-local shapes, and predicted_ep_events, the model's own token all-to-alls over "ep"
+    (see _split_by_routing for the bytes that follow the routing)."""
     dense_units, root, expert_units = _unit_shapes()
     local = [[(rows // ep, *rest) for rows, *rest in unit] for unit in expert_units]
     e_world, e_per_node = expert_parallel_world(WORLD, PER_NODE, ep)
@@ -170,9 +172,38 @@ def test_recorded_collectives_equal_the_cost_model(world, ep, dense, expert):
     want += event_counter(predicted_expert_events(
         ShardingPlan(*expert).resolve(e_world, e_per_node), ep, PER_NODE, local, 2, 4,
         clip=True))
-    for rank, result in enumerate(world.get(("pair", ep, dense, expert))):
-        got = Counter(tuple(e) for e in result["events"])
-        assert got == want, (rank, sorted((got - want).items()), sorted((want - got).items()))
+    cfg = TinyMoEConfig()
+    tokens = MICRO_BATCH * SEQ_LEN  # per rank and micro-batch
+    token_events = predicted_ep_events(ep, PER_NODE, cfg.n_layers - cfg.n_dense_layers,
+                                       tokens, cfg.top_k, cfg.dim, cfg.n_experts, 2, 4)
+    assert (ep > 1) == bool(token_events)
+    shape = Counter()  # the model's all-to-alls without their bytes
+    for t in token_events:
+        shape[(t.op, t.dim, t.group_size, t.inter_node, t.phase)] += t.count
+    results = world.get(("pair", ep, dense, expert))
+    for rank, result in enumerate(results):
+        ours = [tuple(e) for e in result["events"] if not _is_token_exchange(e)]
+        assert Counter(ours) == want, (rank, sorted((Counter(ours) - want).items()),
+                                       sorted((want - Counter(ours)).items()))
+        theirs = [tuple(e) for e in result["events"] if _is_token_exchange(e)]
+        assert Counter((op, dim, size, inter, phase)
+                       for op, dim, size, _, inter, phase in theirs) == shape, rank
+        # exact on every rank: the counts, and what a rank sends of its own tokens (the
+        # dispatch forward, the combine's gradient backward)
+        for t, exact in zip(token_events, (1, 2, 2)):  # counts; tokens forward, backward
+            sent = sum(1 for e in theirs if e[5] == t.phase and e[3] == t.nbytes)
+            assert sent >= t.count // exact, (rank, t, theirs)
+    # the returns follow the routing: summed over each EP group, the model's bytes
+    for group in range(WORLD // ep):
+        for phase in ("forward", "backward"):
+            got = sum(e[3] for r in range(group * ep, (group + 1) * ep)
+                      for e in results[r]["events"] if _is_token_exchange(e) and e[5] == phase)
+            model = sum(t.nbytes * t.count for t in token_events if t.phase == phase)
+            assert got == ep * model, (group, phase, got, ep * model)
+
+
+def _is_token_exchange(event) -> bool:
+    return event[0] == "all_to_all" and event[1] == "ep"
 
 
 def _stride(dim: str, plan) -> int:

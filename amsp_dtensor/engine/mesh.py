@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import handle
+from .recorder import watch_group
 from ..plan import ResolvedPlan, ShardingPlan
 from ..plan.sharding_plan import (EXPERT_DIM_PREFIX, data_parallel_world,
                                   expert_parallel_world, resolve_factor)
@@ -282,6 +283,9 @@ def init_mesh(
     info = _build(resolved, device_type, *dims, tp, TP_DIM, "")
     if expert is not None:
         info.expert = _build(expert, device_type, *dims, ep, EP_DIM, EXPERT_DIM_PREFIX)
+        if ep > 1:  # the model's token all-to-alls over "ep" (the recorder's Note)
+            watch_group(info.expert.mesh, info.expert.group(EP_DIM), EP_DIM, ep,
+                        info.expert.crosses_nodes(EP_DIM))
     return info.pp_mesh or info.mesh
 
 

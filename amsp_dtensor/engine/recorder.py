@@ -11,8 +11,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
+
+import torch
+
+from .. import compat
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
@@ -91,13 +96,57 @@ def emit(event: CommEvent) -> None:
 
 @contextlib.contextmanager
 def record_comms(recorder: CommRecorder | None = None) -> Iterator[CommRecorder]:
-    """``with record_comms() as rec: ...`` records every collective the engine issues."""
+    """``with record_comms() as rec: ...`` records every collective the engine issues, and
+    the model's own all-to-alls over a watched group (the Note on the model's
+    collectives: expert parallelism's token dispatch)."""
     rec = recorder or CommRecorder()
     _active.append(rec)
     try:
-        yield rec
+        with (_ModelCollectives(rec) if _watched else contextlib.nullcontext()):
+            yield rec
     finally:
         _active.remove(rec)
+
+
+# [Note: the model's own collectives]
+# Expert parallelism's token all-to-alls belong to the model (torchtitan's ExpertParallel,
+# or testing/tiny_moe.py), not to the engine: functional collectives
+# (all_to_all_single for the token counts, all_to_all_single_autograd for the tokens and,
+# in backward, their gradients) over the expert mesh's "ep" group. mesh.py watches that
+# group when it builds an expert mesh; while something records, a dispatch mode sees
+# every functional all-to-all and records those over a watched group as CommEvents of
+# that dim ("ep"), with the byte convention above (the input buffer) and phase "forward"
+# or "backward" (activation checkpointing's recomputation counts as backward, as the
+# bytes it moves do). They are untimed: the model waits for them, not the engine. The
+# mode is entered only while a watched group exists, so a dense job's recording runs
+# without it.
+_watched: dict[str, tuple[str, int, bool]] = {}
+
+
+def watch_group(owner, group, dim: str, size: int, inter_node: bool) -> None:
+    """Record the model's functional all-to-alls over ``group`` as ``dim`` while
+    ``owner`` (the mesh the group belongs to) lives."""
+    name = group.group_name
+    _watched[name] = (dim, size, inter_node)
+    weakref.finalize(owner, _watched.pop, name, None)
+
+
+class _ModelCollectives(compat.torch_dispatch_mode_base()):
+    def __init__(self, recorder: CommRecorder):
+        super().__init__()
+        self.recorder = recorder
+        self.all_to_all = compat.functional_all_to_all_op()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.all_to_all:
+            seen = _watched.get(args[-1])  # (input, output_split_sizes, input_split_sizes, group_name)
+            if seen is not None:
+                dim, size, inter = seen
+                phase = "backward" if compat.in_backward() else "forward"
+                self.recorder.add(CommEvent("all_to_all", dim, size,
+                                            args[0].numel() * args[0].element_size(),
+                                            inter, phase))
+        return func(*args, **(kwargs or {}))
 
 
 class Timer:

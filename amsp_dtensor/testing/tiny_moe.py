@@ -70,8 +70,7 @@ class GroupedExperts(nn.Module):
         group = self.ep_group
         ep = dist.get_world_size(group)
         local = self.n_experts // ep
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)  # [source, local expert]
+        received = compat.all_to_all_counts(counts, group)  # [source, local expert]
         send = counts.view(ep, local).sum(1).tolist()
         recv_by_source = received.view(ep, local)
         recv = recv_by_source.sum(1).tolist()

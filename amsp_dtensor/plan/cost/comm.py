@@ -16,6 +16,10 @@ unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
   after step, s_os > s_p:       AG over "g" (s_g > s_p) or "os": padded(U,s_os)/s_p  step
   clip_grad_norm_:              AR over "shard" (s_os ranks) of 4 bytes               step
 
+With experts (mixture of experts): the expert units' schedule is the same on the expert
+plan over the expert world (predicted_expert_events), and expert parallelism adds its
+token all-to-alls over "ep" (predicted_ep_events).
+
 Compression (opt-in, ``compression=Compression(grads=, weights=)``, plan/compression.py):
 only a stage whose group spans nodes, and whose dtype the codec applies to, changes;
 C(m) = chunk_nbytes(codec, m) is one compressed chunk of m elements:
@@ -59,6 +63,7 @@ __all__ = [
     "dim_group",
     "predicted_events",
     "predicted_expert_events",
+    "predicted_ep_events",
     "error_feedback_elements",
     "event_counter",
     "recorded_counter",
@@ -308,9 +313,52 @@ def predicted_expert_events(
                               None, reshard_after_forward, clip, **kwargs)
     out = [PlannedComm(**{**e.as_dict(), "dim": EXPERT_DIM_PREFIX + e.dim}) for e in events]
     if clip and ep > 1:
-        nodes = 1 if dp_ranks_per_node % ep == 0 else ep // dp_ranks_per_node
-        out.append(PlannedComm("all_reduce", "ep", ep, 4, nodes > 1, "step", 1, -1, 1, nodes))
+        out.append(_ep_comm("all_reduce", ep, dp_ranks_per_node, 4, "step", 1))
     return out
+
+
+def _ep_comm(op: str, ep: int, dp_ranks_per_node: int, nbytes: int, phase: str,
+             count: int) -> PlannedComm:
+    """A collective over the "ep" group: ep consecutive data-parallel ranks, inside a node
+    when ep divides the node's data-parallel ranks, else over ep / (those ranks) nodes."""
+    nodes = 1 if dp_ranks_per_node % ep == 0 else ep // dp_ranks_per_node
+    return PlannedComm(op, "ep", ep, int(nbytes), nodes > 1, phase, count, -1, 1, nodes)
+
+
+def predicted_ep_events(
+    ep: int,
+    dp_ranks_per_node: int,
+    moe_layers: int,
+    tokens: int,
+    top_k: int,
+    dim: int,
+    n_experts: int,
+    micro_batches: int,
+    dtype_bytes: int,
+    count_bytes: int = 8,
+) -> list[PlannedComm]:
+    """Expert parallelism's own all-to-alls over "ep" in one step (M micro-batches), as
+    torchtitan's ExpertParallel issues them per MoE layer and micro-batch (``tokens``: this
+    rank's tokens per micro-batch; activations of ``dtype_bytes``):
+
+      forward   the token counts per expert: n_experts * count_bytes (int64)   x1
+                the routed tokens out and the expert outputs back:
+                tokens * top_k * dim * e each                                   x2
+      backward  the gradients of both, the same bytes                           x2
+
+    Each rank sends exactly tokens * top_k rows (every token goes to its top_k experts);
+    what it sends back is what it received, which follows the routing: the bytes above
+    are that rank's under balanced routing, and the EP group's sum over its ranks in any
+    case (tokens are neither made nor lost). None with ep 1."""
+    if ep <= 1 or moe_layers == 0:
+        return []
+    M, L = int(micro_batches), int(moe_layers)
+    routed = int(tokens) * int(top_k) * int(dim) * int(dtype_bytes)
+    return [
+        _ep_comm("all_to_all", ep, dp_ranks_per_node, n_experts * count_bytes, "forward", M * L),
+        _ep_comm("all_to_all", ep, dp_ranks_per_node, routed, "forward", 2 * M * L),
+        _ep_comm("all_to_all", ep, dp_ranks_per_node, routed, "backward", 2 * M * L),
+    ]
 
 
 def _codecs(compression) -> tuple:
