@@ -7,6 +7,9 @@ With tensor parallelism, torchtitan's 2-D layout (TP inside a node, AMSP over th
   ... --tp 8        plans of the data-parallel world (gpus / 8 ranks) beside TP degree 8
   ... --tp auto     every TP degree dividing the node (up to 8) at one global batch: a
                     (tp, plan) table, then the fastest pair that fits
+With experts (a mixture-of-experts model), the dense and the expert plan together:
+  ... --model deepseek_v3_16b --ep 8   a dense plan over the gpus and an expert plan over
+                    the gpus / 8 ranks that hold the same experts, with EP's all-to-alls
 With compression of the cross-node stages (the engine's amsp.set_compression):
   ... --compress grads=int8,weights=bf16   plans ranked with the compressed stages, then
                     the chosen plan(s)' cross-node bytes and step time, exact vs compressed
@@ -119,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "divisor of --gpus-per-node; the plans then shard the gpus / N data-"
                    f"parallel ranks. auto: every such degree up to {MAX_AUTO_TP} at one global "
                    "batch (--global-batch-tokens, else the batch of --micro-batches at tp 1)")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel degree (torchtitan's expert_parallel_degree) for a "
+                   "model with experts (deepseek_v3_*, qwen3_*_a*b): the planner then picks "
+                   "a dense plan and an expert plan (over gpus / N ranks); default 1")
     p.add_argument("--disable-loss-parallel", action="store_true",
                    help="with --tp: gather the logits instead of torchtitan's default "
                    "loss_parallel (its parallelism.disable_loss_parallel)")
@@ -267,12 +274,70 @@ def render(report: PlanReport, top: int) -> str:
         *([f"TP's own collectives (activations, per layer) take "
            f"{best.tp_comm_seconds * 1e3:.1f} ms of the chosen step,",
            "on the critical path (in step, not in comm sum)."] if report.tp > 1 else []),
-        f"chosen: {best.plan.name}, {best.memory.total / GiB:.2f} GiB/GPU, "
+        f"chosen: {best.pair_name}, {best.memory.total / GiB:.2f} GiB/GPU, "
         f"{best.step_seconds * 1e3:.1f} ms/step, MFU {best.step.mfu * 100:.1f}%. For the job TOML:",
         "",
         report.to_toml().rstrip(),
     ]
     return "\n".join(lines)
+
+
+def _expert_row(e: PlanEstimate, mark: str = " ") -> str:
+    x, m = e.memory.expert_states, e.memory
+    groups = e.group_bytes()
+    return (f"{mark}{e.expert_plan.name[:16]:<16}{x.param / GiB:6.2f}{x.grad / GiB:6.2f}"
+            f"{x.optim / GiB:6.2f}{m.total / GiB:7.2f}{'' if e.fits else '!':1}"
+            f"{groups['expert']['intra'] / 1e9:7.2f}{groups['expert']['inter'] / 1e9:7.2f}"
+            f"{e.comm_seconds * 1e3:8.1f}{e.step_seconds * 1e3:8.1f}{e.step.mfu * 100:5.1f}")
+
+
+def render_experts(report: PlanReport, top: int) -> str:
+    """A model with experts: its experts, the expert plans beside the chosen dense one,
+    and why the pair: the search's rounds, bytes per group, EP's all-to-alls."""
+    mdl, s, best = report.model, report.settings, report.best
+    x = mdl.experts
+    ep, e_world = s["expert_parallel_degree"], s["expert_world_size"]
+    inside = s["ranks_per_node"] % ep == 0
+    lines = [
+        f"experts: {mdl.moe_layers} MoE blocks of {mdl.n_layers}, {x.n_experts} routed "
+        f"(top {x.top_k}) + {x.n_shared} shared each; {mdl.expert_numel / 1e9:,.2f}B of "
+        f"{mdl.num_params / 1e9:,.2f}B params routed experts, {mdl.active_params / 1e9:,.2f}B "
+        "active per token",
+        f"expert parallel: ep {ep} ({'inside a node' if inside else 'across nodes'}); "
+        f"expert world {e_world} ranks "
+        f"({max(1, s['ranks_per_node'] // ep) if inside else 1} per node): the expert plans "
+        "shard over it",
+        "",
+        f"expert plans with the dense plan {best.plan.name} (P, G, OS: the experts' own; total "
+        "and step: both groups)",
+        f" {'':<16}{'experts per GPU (GiB)':^25} {'experts (GB)':^14}{'comm':>8}{'step':>8}"
+        f"{'MFU':>5}",
+        f" {'expert plan':<16}{'P':>6}{'G':>6}{'OS':>6}{'total':>7} {'intra':>7}{'inter':>7}"
+        f"{'sum ms':>8}{'ms':>8}{'%':>5}",
+    ]
+    for i, c in enumerate(report.expert_candidates[:top]):
+        lines.append(_expert_row(c, "*" if i == 0 and c.fits else " "))
+    if len(report.expert_candidates) > top:
+        fit = sum(c.fits for c in report.expert_candidates)
+        lines.append(f" ... {len(report.expert_candidates) - top} more expert plans "
+                     f"({fit} of {len(report.expert_candidates)} fit)")
+    groups = best.group_bytes()
+    rounds = ", then ".join(f"{d} + experts {e}" for d, e in report.rounds)
+    lines += [
+        "",
+        f"why: alternating search (dense plans with the expert plan fixed, then expert plans "
+        f"with the dense one fixed): {rounds}.",
+        "bytes per GPU per step by group (GB, intra / inter node): " + "; ".join(
+            f"{g} {b['intra'] / 1e9:.2f} / {b['inter'] / 1e9:.2f}"
+            for g, b in sorted(groups.items())) + " (ep: EP's token all-to-alls)",
+        f"EP's all-to-alls take {best.step.ep_comm_seconds * 1e3:.1f} ms of the chosen step, on "
+        "the critical path of each MoE block.",
+        f"torchtitan's own layout (FSDP2 + EP): {report.baselines['zero3'].pair_name}, "
+        f"{report.baselines['zero3'].step_seconds * 1e3:.1f} ms/step, "
+        f"{report.baselines['zero3'].memory.total / GiB:.2f} GiB/GPU"
+        if "zero3" in report.baselines else "",
+    ]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def render_tp_table(report: PlanReport) -> str:
@@ -402,6 +467,11 @@ def main(argv=None) -> int:
                              f"--gpus-per-node {args.gpus_per_node} (one NIC per GPU at most)")
         model = _model(args)
         _check_tp(args, model)
+        if args.ep is not None and args.ep < 1:
+            raise UsageError(f"--ep must be positive, got {args.ep}")
+        if args.ep not in (None, 1) and model.experts is None:
+            raise UsageError(f"--ep {args.ep}: model {model.name} has no experts; give a "
+                             "mixture-of-experts --model (e.g. deepseek_v3_16b) or drop --ep")
         if args.tp == "auto":  # one global batch for every degree
             batch = {"global_batch_tokens": args.global_batch_tokens or (
                 (args.micro_batches or 1) * args.seq_len * args.micro_batch * args.gpus)}
@@ -421,6 +491,7 @@ def main(argv=None) -> int:
             compute=ComputeModel(compute_flops=args.tflops * 1e12,
                                  peak_flops=args.peak_tflops * 1e12),
             overlap_param_update=args.overlap_param_update, cluster=cluster,
+            ep=args.ep or 1,
         )
         report = choose_plan(**plan_args, compression=args.compress)
         rows = []
@@ -449,6 +520,9 @@ def main(argv=None) -> int:
             print(render_tp_table(report))
             print()
         print(render(report, args.top))
+        if report.expert_candidates:
+            print()
+            print(render_experts(report, args.top))
         if args.compress.enabled:
             print()
             print(render_compression(args.compress, rows))

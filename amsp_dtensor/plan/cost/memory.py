@@ -206,14 +206,29 @@ def block_activation_bytes_per_token(
     model: ModelShape, seq_len: int, e: int, attention: str = "flash", norm: str = "composite"
 ) -> int:
     """Bytes autograd saves in one transformer block, per token (see module docstring)."""
-    h, f, a = model.dim, model.ffn_hidden, model.n_heads
-    hkv = model.kv_heads * model.head_dim
-    attn = e * h + 2 * e * hkv + e * h + 4 * a
+    h, a = model.dim, model.n_heads
+    hq, hkv = model.q_width, model.kv_width
+    attn = e * h + 2 * e * hkv + e * hq + 4 * a
     if attention == "math":
         attn += 2 * e * a * seq_len
     elif attention != "flash":
         raise ValueError(f"attention={attention!r}; use 'flash' (SDPA flash/efficient) or 'math'")
-    return 2 * _norm_bytes(h, e, norm) + attn + 4 * e * f
+    return 2 * _norm_bytes(h, e, norm) + attn + _ffn_activation_bytes_per_token(model, e)
+
+
+def _ffn_activation_bytes_per_token(model: ModelShape, e: int) -> int:
+    """A SwiGLU FFN of hidden f saves 4*e*f per token (w1's and w3's outputs, the SiLU, the
+    product w2 reads); an MoE block's routed experts do so for the top_k experts a token
+    takes, on the token's top_k copies (the dispatched input and the output, 2*e*dim
+    each), its shared experts as a FFN of n_shared*hidden, and the router its fp32
+    scores (4*n_experts). Mean over the blocks."""
+    x = model.experts
+    if x is None:
+        return 4 * e * model.ffn_hidden
+    moe = (4 * e * (x.top_k + x.n_shared) * x.hidden + 2 * x.top_k * 2 * e * model.dim
+           + 4 * x.n_experts)
+    dense = 4 * e * model.ffn_hidden
+    return (x.n_dense_layers * dense + model.moe_layers * moe) // model.n_layers
 
 
 def root_activation_bytes_per_token(model: ModelShape, e: int, norm: str = "composite") -> int:
@@ -447,7 +462,7 @@ class StepBytes:
 def step_bytes(
     model: ModelShape, plan: ResolvedPlan, mixed_precision: str = "bf16",
     reduce_dtype: str | None = None, clip: bool = False, backend: str = "nccl",
-    tp: int = 1,
+    tp: int = 1, expert_plan: ResolvedPlan | None = None, ep: int = 1,
 ) -> StepBytes:
     """What one rank holds beyond P and OS at the peak of the optimizer step.
 
@@ -467,21 +482,25 @@ def step_bytes(
     per OS element, that is c*(earlier) + 8*(the rest), at most max(c, 8) * sum(OS_u):
     the end of the step (every all-gather alive) or one call over every unit. OS_u, G_u:
     slot elements as in backward_peak.unit_sizes. backend "gloo" adds its staging
-    buffers (Note above). ``clip`` is kept for callers: the bound already covers it."""
+    buffers (Note above). ``clip`` is kept for callers: the bound already covers it.
+    With ``expert_plan`` the experts' units (EP-local, ``ep``) join, each unit with its
+    own group's factors (one optimizer steps both groups)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
-    sizes = [unit_sizes(shapes, plan) for shapes in model.unit_param_shapes(tp)]
-    k_os = plan.s_os // plan.s_p
-    synced_g = r * sum(synced_grad_elements(s, plan) for s in sizes)
-    sends = [e * (1 + k_os) * s.os if k_os > 1 else 0 for s in sizes]
-    gather = sum(sends)
-    held = max(gather, 8 * sum(s.os for s in sizes))  # Note above: one call over every unit
+    # (unit sizes, its plan) of every unit: the dense ones, then the experts' on theirs
+    units = [(unit_sizes(shapes, plan), plan) for shapes in model.unit_param_shapes(tp)]
+    if expert_plan is not None:
+        units += [(unit_sizes(shapes, expert_plan), expert_plan)
+                  for shapes in model.expert_units(ep)]
+    synced_g = r * sum(synced_grad_elements(s, p) for s, p in units)
+    outputs = [e * (p.s_os // p.s_p) * s.os for s, p in units if p.s_os > p.s_p]
+    gather = sum(e * s.os for s, p in units if p.s_os > p.s_p) + sum(outputs)
+    held = max(gather, 8 * sum(s.os for s, _ in units))  # Note above: one call over every unit
     staging = 0
-    if backend == "gloo" and k_os > 1:
-        outputs = sorted((e * k_os * s.os for s in sizes), reverse=True)
-        staging = sum(outputs[:GLOO_WORKER_THREADS])
+    if backend == "gloo":
+        staging = sum(sorted(outputs, reverse=True)[:GLOO_WORKER_THREADS])
     return StepBytes(synced_g, gather, held - gather, staging)
 
 
@@ -541,6 +560,8 @@ class MemoryEstimate:
     step: int = 0  # beyond P and OS at the step's peak (step_bytes(...).total)
     # opt-in compression's persistent buffers (alive in both phases); None: off
     compression: CompressionBytes | None = None
+    # with experts: their part of ``states`` (which holds both groups)
+    expert_states: StateBytes | None = None
 
     @property
     def compression_total(self) -> int:
@@ -574,6 +595,9 @@ class MemoryEstimate:
             "reserve": self.reserve,
             "total": self.total,
         }
+        if self.expert_states is not None:
+            out["expert"] = self.expert_states.as_dict()
+            out["dense"] = {k: out[k] - v for k, v in out["expert"].items()}
         if self.compression is not None:
             out["compression_error_feedback"] = self.compression.error_feedback
             out["compression_fp32_master"] = self.compression.fp32_master
@@ -586,10 +610,16 @@ def estimate_memory(
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
-    compression: Compression | None = None,
+    compression: Compression | None = None, expert_plan: ResolvedPlan | None = None,
+    ep: int = 1,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
+
+    expert_plan (a model with experts): the routed experts' plan over the expert world,
+    their units EP-local (``ep``): their states join ``states`` (and ``expert_states``);
+    the temporary buffers add one expert unit's (expert_temp_bytes), the step's bound
+    covers both groups.
 
     reduce_dtype: "fp32" keeps G (and the gradient collectives) in fp32 under bf16 params
     (MixedPrecisionPolicy.reduce_dtype); None = the param dtype. reserve_bytes: memory the
@@ -610,8 +640,33 @@ def estimate_memory(
     tmp = temp_bytes(model, plan, seq_len, micro_batch, mixed_precision,
                      activation_checkpointing, attention, norm, reshard_after_forward,
                      reduce_dtype, tp, loss_parallel)
-    step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp)
+    step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp,
+                      expert_plan, ep)
     comp = None
     if compression is not None and compression.enabled:
         comp = compression_bytes(model.unit_param_shapes(tp), plan, compression, e, r)
-    return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total, comp)
+    experts = None
+    if expert_plan is not None:
+        p = expert_plan
+        experts = state_bytes(model.expert_units(ep), p.s_p, p.s_g, p.s_os, e,
+                              grad_dtype_bytes=r)
+        states = StateBytes(*(getattr(states, f) + getattr(experts, f)
+                              for f in ("param", "grad", "optim")))
+        tmp += expert_temp_bytes(model, expert_plan, ep, e, r)
+    return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total, comp, experts)
+
+
+def expert_temp_bytes(model: ModelShape, plan: ResolvedPlan, ep: int, e: int, r: int) -> int:
+    """What one MoE block's experts add to the backward's temporary buffers, an upper
+    bound beside the dense units' peak: with s_p > 1 the unit in compute and the
+    prefetched one gathered (2*e*P_u), then its unsharded grads as they are produced and
+    the engine's hook input (FSDP2's reduce-scatter output, or the flat copy with s_p =
+    1) with, when s_g > s_p, the packed copy and output of the reduce-scatter over "g"."""
+    units = model.expert_units(ep)
+    if not units:
+        return 0
+    unit = units[0]
+    sizes = unit_sizes(unit, plan)
+    gathered = 2 * e * padded_numel(unit, plan.s_p) if plan.s_p > 1 else 0
+    held = r * sizes.p + (r * (sizes.g_packed + sizes.g) if plan.s_g > plan.s_p else 0)
+    return gathered + e * padded_numel(unit, plan.s_p) + held

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 __all__ = [
+    "Experts",
+    "MLA",
     "ModelShape",
     "ParamShape",
     "MODELS",
@@ -119,6 +122,49 @@ LAYOUTS = ("blocks", "titan")
 
 
 @dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts part of a model, as torchtitan's MoEArgs and model args give
+    it: after the first ``n_dense_layers`` blocks (which keep the dense FFN of
+    ``ffn_hidden``), every block's FFN is a router (``moe.router.gate`` [n_experts, dim]),
+    ``n_experts`` routed SwiGLU experts of ``hidden`` each in three grouped weights
+    (``moe.experts.w1``/``w3`` [n_experts, hidden, dim], ``w2`` [n_experts, dim, hidden]),
+    of which each token takes ``top_k``, and ``n_shared`` shared experts that every token
+    takes, one FeedForward of n_shared * hidden (``moe.shared_experts``)."""
+
+    n_experts: int
+    top_k: int
+    hidden: int
+    n_shared: int = 0
+    n_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("n_experts", "top_k", "hidden"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"experts: {key} must be a positive int, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"experts: top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.n_shared < 0 or self.n_dense_layers < 0:
+            raise ValueError("experts: n_shared and n_dense_layers must be >= 0")
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek-V3's multi-head latent attention (torchtitan's deepseek_v3 Attention):
+    q_lora_rank 0 means a plain wq."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A Llama-style decoder: enough to list every parameter and size the activations."""
 
@@ -140,14 +186,23 @@ class ModelShape:
     # A stage's root unit ("blocks" layout) holds the ends it has, or nothing.
     embeddings: bool = True
     head: bool = True
+    # attention other than llama3's: an explicit head dim (qwen3: not dim / n_heads), the
+    # per-head RMSNorms of q and k (qwen3's qk_norm), or DeepSeek's latent attention
+    explicit_head_dim: int | None = None
+    qk_norm: bool = False
+    mla: MLA | None = None
+    experts: Experts | None = None
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model {self.name}: {key} must be a positive int, got {value!r}")
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and self.explicit_head_dim is None and self.mla is None:
             raise ValueError(f"model {self.name}: dim={self.dim} not divisible by n_heads={self.n_heads}")
+        if self.experts is not None and self.experts.n_dense_layers > self.n_layers:
+            raise ValueError(f"model {self.name}: n_dense_layers={self.experts.n_dense_layers} "
+                             f"exceeds n_layers={self.n_layers}")
         if self.kv_heads < 1 or self.n_heads % self.kv_heads:
             raise ValueError(f"model {self.name}: n_heads={self.n_heads} not divisible by n_kv_heads={self.kv_heads}")
         if self.layout not in LAYOUTS:
@@ -162,22 +217,87 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
-    def block_params(self, tp: int = 1) -> list[ParamShape]:
-        """One transformer block, in named_parameters() order (TP-local with tp > 1)."""
-        d, hd, f = self.dim, self.head_dim, self.ffn_hidden
-        return [p.tp_local(tp) for p in (
-            ParamShape("attention.wq.weight", (self.n_heads * hd, d)),
-            ParamShape("attention.wk.weight", (self.kv_heads * hd, d)),
-            ParamShape("attention.wv.weight", (self.kv_heads * hd, d)),
-            ParamShape("attention.wo.weight", (d, self.n_heads * hd)),
-            ParamShape("feed_forward.w1.weight", (f, d)),
-            ParamShape("feed_forward.w2.weight", (d, f)),
-            ParamShape("feed_forward.w3.weight", (f, d)),
-            ParamShape("attention_norm.weight", (d,)),
-            ParamShape("ffn_norm.weight", (d,)),
-        )]
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.experts is not None and layer >= self.experts.n_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose FFN is a mixture of experts."""
+        return 0 if self.experts is None else self.n_layers - self.experts.n_dense_layers
+
+    def _attention_params(self) -> list[ParamShape]:
+        d, hd, mla = self.dim, self.head_dim, self.mla
+        if mla is None:
+            out = [ParamShape("attention.wq.weight", (self.n_heads * hd, d)),
+                   ParamShape("attention.wk.weight", (self.kv_heads * hd, d)),
+                   ParamShape("attention.wv.weight", (self.kv_heads * hd, d)),
+                   ParamShape("attention.wo.weight", (d, self.n_heads * hd))]
+            if self.qk_norm:
+                out += [ParamShape("attention.q_norm.weight", (hd,)),
+                        ParamShape("attention.k_norm.weight", (hd,))]
+            return out
+        q = self.n_heads * mla.qk_head_dim
+        out = ([ParamShape("attention.wq.weight", (q, d))] if mla.q_lora_rank == 0 else
+               [ParamShape("attention.wq_a.weight", (mla.q_lora_rank, d)),
+                ParamShape("attention.q_norm.weight", (mla.q_lora_rank,)),
+                ParamShape("attention.wq_b.weight", (q, mla.q_lora_rank))])
+        return out + [
+            ParamShape("attention.wkv_a.weight", (mla.kv_lora_rank + mla.qk_rope_head_dim, d)),
+            ParamShape("attention.kv_norm.weight", (mla.kv_lora_rank,)),
+            ParamShape("attention.wkv_b.weight",
+                       (self.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                        mla.kv_lora_rank)),
+            ParamShape("attention.wo.weight", (d, self.n_heads * mla.v_head_dim))]
+
+    @staticmethod
+    def _ffn(prefix: str, f: int, d: int) -> list[ParamShape]:
+        return [ParamShape(f"{prefix}.w1.weight", (f, d)),
+                ParamShape(f"{prefix}.w2.weight", (d, f)),
+                ParamShape(f"{prefix}.w3.weight", (f, d))]
+
+    def block_params(self, tp: int = 1, layer: int = 0) -> list[ParamShape]:
+        """Block ``layer``'s parameters in the dense group (TP-local with tp > 1): the
+        attention, the norms, and the dense FFN, or in an MoE block the router and the
+        shared experts (the routed experts are expert_params: a group of their own)."""
+        d = self.dim
+        if self.is_moe_layer(layer):
+            x = self.experts
+            ffn = [ParamShape("moe.router.gate.weight", (x.n_experts, d))]
+            if x.n_shared:
+                ffn += self._ffn("moe.shared_experts", x.n_shared * x.hidden, d)
+        else:
+            ffn = self._ffn("feed_forward", self.ffn_hidden, d)
+        norms = [ParamShape("attention_norm.weight", (d,)), ParamShape("ffn_norm.weight", (d,))]
+        return [p.tp_local(tp) for p in (*self._attention_params(), *ffn, *norms)]
+
+    def expert_params(self, ep: int = 1) -> list[ParamShape]:
+        """One MoE block's routed experts, the rows one of ``ep`` expert-parallel ranks
+        holds (torchtitan's ExpertParallel: Shard(0) over the experts)."""
+        if self.experts is None:
+            return []
+        x, d = self.experts, self.dim
+        if ep < 1 or x.n_experts % ep:
+            raise ValueError(f"ep={ep} does not divide model {self.name}'s {x.n_experts} "
+                             f"experts; use a divisor of {x.n_experts}")
+        e = x.n_experts // ep
+        return [ParamShape("moe.experts.w1", (e, x.hidden, d)),
+                ParamShape("moe.experts.w2", (e, d, x.hidden)),
+                ParamShape("moe.experts.w3", (e, x.hidden, d))]
+
+    def expert_units(self, ep: int = 1) -> list[list[tuple[int, ...]]]:
+        """The expert units' EP-local shapes, one unit per MoE block (the format
+        predicted_expert_events takes)."""
+        return [[p.shape for p in self.expert_params(ep)] for _ in range(self.moe_layers)]
+
+    def block_unit(self, layer: int) -> int:
+        """The index among units() of block ``layer``'s unit."""
+        return layer + (1 if self.layout == "titan" else 0)
+
+    def expert_unit_block(self, index: int) -> int:
+        """The index among units() of the block that expert unit ``index`` belongs to."""
+        return self.block_unit(self.experts.n_dense_layers + index)
 
     def root_params(self, tp: int = 1) -> list[ParamShape]:
         """Parameters left to the root unit (not inside any block; TP-local with tp > 1):
@@ -195,8 +315,7 @@ class ModelShape:
         L); "titan": the embeddings, block 0 .. L-1, then [norm, output] (index L + 1).
         With tp > 1 every shape is what TP rank 0 holds (TP_SHARD_DIM)."""
         self.check_tensor_parallel(tp)
-        block = self.block_params(tp)
-        blocks = [list(block) for _ in range(self.n_layers)]
+        blocks = [self.block_params(tp, layer) for layer in range(self.n_layers)]
         if self.layout == "titan":
             embeddings, norm, output = self.root_params(tp)
             return [[embeddings], *blocks, [norm, output]]
@@ -211,6 +330,11 @@ class ModelShape:
         must hold whole attention heads (torchtitan views q, k, v as (-1, head_dim))."""
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_degree must be a positive int, got {tp!r}")
+        if tp > 1 and (self.experts is not None or self.mla is not None or self.qk_norm):
+            raise ValueError(
+                f"tensor_parallel_degree={tp} with model {self.name}: the cost model has "
+                "llama3's tensor-parallel plan only (and AMSP refuses expert parallelism "
+                "with TP); use tp 1")
         if self.kv_heads % tp:
             raise ValueError(
                 f"tensor_parallel_degree={tp} does not divide model {self.name}'s "
@@ -223,21 +347,87 @@ class ModelShape:
         [norm, output] in the "titan" layout."""
         return self.n_layers + (1 if self.layout == "titan" else 0)
 
-    @property
+    @cached_property
     def block_numel(self) -> int:
-        return sum(p.numel for p in self.block_params())
+        """A block's parameters that one token's forward multiplies by, the mean over the
+        blocks: with experts, the dense group's and top_k routed experts' (the active
+        parameters; the FLOP count of cost/step.py)."""
+        total = sum(p.numel for layer in range(self.n_layers)
+                    for p in self.block_params(layer=layer))
+        if self.experts is not None:
+            one = sum(p.numel for p in self.expert_params()) // self.experts.n_experts
+            total += self.moe_layers * self.experts.top_k * one
+        return total // self.n_layers
 
     @property
     def root_numel(self) -> int:
         return sum(p.numel for p in self.root_params())
 
+    @cached_property
+    def expert_numel(self) -> int:
+        """Every routed expert's parameters (all MoE blocks)."""
+        return self.moe_layers * sum(p.numel for p in self.expert_params())
+
+    @cached_property
+    def dense_numel(self) -> int:
+        return sum(p.numel for layer in range(self.n_layers)
+                   for p in self.block_params(layer=layer)) + self.root_numel
+
     @property
     def num_params(self) -> int:
+        return self.dense_numel + self.expert_numel
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses (= num_params without experts)."""
+        if self.experts is None:
+            return self.num_params
         return self.n_layers * self.block_numel + self.root_numel
+
+    @property
+    def q_width(self) -> int:
+        """Per token, the queries' width (the attention output's too)."""
+        if self.mla is not None:
+            return self.n_heads * self.mla.qk_head_dim
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Per token, the width of the keys (and of the values): latent attention
+        expands the latent to per-head keys and values (their mean width here)."""
+        if self.mla is not None:
+            return self.attention_width
+        return self.kv_heads * self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """Per token, the width of the attention products (QK^T and AV, averaged): dim for
+        llama3, n_heads x head_dim with an explicit head dim, the mean of the q/k and v
+        head widths under latent attention."""
+        if self.mla is not None:
+            return self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim) // 2
+        return self.n_heads * self.head_dim
 
 
 def from_torchtitan_args(name: str, args) -> ModelShape:
-    """Build from a torchtitan llama3 TransformerModelArgs (duck-typed: dim, n_layers, ...)."""
+    """Build from torchtitan model args (duck-typed): llama3's TransformerModelArgs,
+    qwen3's Qwen3ModelArgs (head_dim, qk_norm, MoE with moe_enabled), deepseek_v3's
+    DeepSeekV3ModelArgs (latent attention, dense first layers, MoE)."""
+    moe = getattr(args, "moe_args", None)
+    if hasattr(args, "kv_lora_rank"):  # deepseek_v3
+        return _deepseek(name, args.dim, args.n_layers, args.n_heads, args.vocab_size,
+                         args.inter_dim, args.moe_inter_dim, moe.num_experts, moe.top_k,
+                         moe.num_shared_experts, args.n_dense_layers,
+                         MLA(args.q_lora_rank, args.kv_lora_rank, args.qk_nope_head_dim,
+                             args.qk_rope_head_dim, args.v_head_dim))
+    if hasattr(args, "qk_norm"):  # qwen3
+        if getattr(args, "enable_weight_tying", False):
+            raise ValueError(f"model {name}: tied embeddings are not in the cost model")
+        experts = (Experts(moe.num_experts, moe.top_k, args.moe_inter_dim,
+                           moe.num_shared_experts) if args.moe_enabled else None)
+        return ModelShape(name, args.dim, args.n_layers, args.n_heads, args.vocab_size,
+                          args.hidden_dim, args.n_kv_heads, explicit_head_dim=args.head_dim,
+                          qk_norm=args.qk_norm, experts=experts)
     return ModelShape(
         name=name,
         dim=args.dim,
@@ -277,12 +467,40 @@ _PAPER = {
     "llama_30b": ModelShape("llama_30b", 6656, 60, 52, 32000, 17920, notes="LLaMA-1 30B (33B)"),
 }
 
+def _deepseek(name, dim, n_layers, n_heads, vocab, inter_dim, moe_inter_dim, n_experts,
+              top_k, n_shared, n_dense, mla, notes=""):
+    return ModelShape(name, dim, n_layers, n_heads, vocab, inter_dim, mla=mla,
+                      experts=Experts(n_experts, top_k, moe_inter_dim, n_shared, n_dense),
+                      notes=notes)
+
+
+# torchtitan 0.2.2's deepseekv3_args and qwen3_args (tests/test_cost_models.py checks the
+# parameter shapes against the models torchtitan builds from them)
+_MOE = {
+    "deepseek_v3_debugmodel": _deepseek(
+        "deepseek_v3_debugmodel", 256, 6, 16, 2048, 1024, 256, 8, 3, 2, 1,
+        MLA(0, 512, 128, 64, 128), "torchtitan 0.2.2 deepseekv3_args debugmodel"),
+    "deepseek_v3_16b": _deepseek(
+        "deepseek_v3_16b", 2048, 27, 16, 102400, 10944, 1408, 64, 6, 2, 1,
+        MLA(0, 512, 128, 64, 128), "torchtitan 0.2.2 deepseekv3_args 16B"),
+    "deepseek_v3_671b": _deepseek(
+        "deepseek_v3_671b", 7168, 61, 128, 129280, 18432, 2048, 256, 8, 1, 3,
+        MLA(1536, 512, 128, 64, 128), "torchtitan 0.2.2 deepseekv3_args 671B"),
+    "qwen3_debugmodel_moe": ModelShape(
+        "qwen3_debugmodel_moe", 256, 8, 16, 2048, 3072, 8, explicit_head_dim=128,
+        qk_norm=True, experts=Experts(64, 8, 768), notes="torchtitan 0.2.2 qwen3_args"),
+    "qwen3_30b_a3b": ModelShape(
+        "qwen3_30b_a3b", 2048, 48, 32, 151936, 6144, 4, explicit_head_dim=128,
+        qk_norm=True, experts=Experts(128, 8, 768), notes="torchtitan 0.2.2 qwen3_args 30B-A3B"),
+}
+
 MODELS: dict[str, ModelShape] = {
     "llama3_debugmodel": _TITAN["debugmodel"],
     "llama3_8b": _TITAN["8B"],
     "llama3_70b": _TITAN["70B"],
     "llama3_405b": _TITAN["405B"],
     **_PAPER,
+    **_MOE,
 }
 
 # torchtitan flavor names as they appear in [model] flavor, for the titan integration.

@@ -31,10 +31,12 @@ from typing import Union
 
 from ..sharding_plan import (
     BASELINES,
+    EXPERT_DIM_PREFIX,
     ResolvedPlan,
     ShardingPlan,
     data_parallel_world,
     enumerate_plans,
+    expert_parallel_world,
     tp_outside_node,
 )
 from .bandwidth import BandwidthTable, load_table
@@ -44,7 +46,9 @@ from .comm import (
     PlannedComm,
     TimeModel,
     bytes_by_locality,
+    predicted_ep_events,
     predicted_events,
+    predicted_expert_events,
     step_comm_time,
     time_breakdown,
 )
@@ -135,6 +139,29 @@ class PlanEstimate:
     # under pipeline parallelism, every pipeline rank's own estimate (memory above is the
     # largest rank's, events and step the slowest rank's)
     pipeline_ranks: "list[PipelineRank] | None" = None
+    # a model with experts: the routed experts' plan over the expert world and the EP
+    # degree (memory, events and step are then of both groups and EP's all-to-alls)
+    expert_plan: ResolvedPlan | None = None
+    ep: int = 1
+
+    @property
+    def pair_name(self) -> str:
+        """"p2-g2-os4" or, with experts, "p2-g2-os4 + experts p1-g1-os2 (ep 8)"."""
+        if self.expert_plan is None:
+            return self.label
+        return f"{self.label} + experts {self.expert_plan.name} (ep {self.ep})"
+
+    def group_bytes(self) -> dict[str, dict[str, int]]:
+        """Buffer bytes per step by group ("dense", "expert", "ep": EP's all-to-alls) and
+        locality ({"intra", "inter"})."""
+        out: dict[str, dict[str, int]] = {}
+        for ev in self.events:
+            group = ("ep" if ev.dim == "ep" and ev.op == "all_to_all" else
+                     "expert" if ev.dim.startswith(EXPERT_DIM_PREFIX) or ev.dim == "ep"
+                     else "dense")
+            where = out.setdefault(group, {"intra": 0, "inter": 0})
+            where["inter" if ev.inter_node else "intra"] += ev.nbytes * ev.count
+        return out
 
     @property
     def bytes_inter_exact(self) -> int:
@@ -212,6 +239,11 @@ class PlanEstimate:
             "compression": str(self.compression) if self.compression is not None else None,
             "bytes_inter_exact": self.bytes_inter_exact,
             "wire_bytes_inter_exact": self.wire_bytes_inter_exact,
+            "expert_plan": (None if self.expert_plan is None else
+                            {"param": self.expert_plan.s_p, "grad": self.expert_plan.s_g,
+                             "optim": self.expert_plan.s_os, "name": self.expert_plan.name}),
+            "expert_parallel_degree": self.ep,
+            "bytes_by_group": self.group_bytes() if self.expert_plan is not None else None,
         }
 
 
@@ -225,6 +257,16 @@ class PlanReport:
     tp: int = 1  # tensor-parallel degree of every candidate
     # tp="auto": the report of every TP degree costed, by degree (this one among them)
     by_tp: dict[int, "PlanReport"] = field(default_factory=dict)
+    # a model with experts: every expert plan with the chosen dense plan, fitting first,
+    # fastest first (candidates are every dense plan with the chosen expert plan)
+    expert_candidates: list[PlanEstimate] = field(default_factory=list)
+    # the alternating search's rounds: (dense plan, expert plan) chosen by each
+    rounds: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def expert_plan(self) -> ResolvedPlan | None:
+        """The chosen expert plan (over the expert world), None without experts."""
+        return self.best.expert_plan
 
     @property
     def best(self) -> PlanEstimate:
@@ -246,6 +288,14 @@ class PlanReport:
 
     def to_toml(self) -> str:
         toml = self.best.plan.to_toml()
+        expert = self.best.expert_plan
+        if expert is not None:  # [amsp]'s expert keys
+            toml = toml.rstrip() + "".join(
+                f"\nexpert_{key} = {value}" for key, value in (
+                    ("param_shard", expert.s_p), ("grad_shard", expert.s_g),
+                    ("optim_shard", expert.s_os))) + "\n"
+            if self.best.ep > 1:
+                toml = f"[parallelism]\nexpert_parallel_degree = {self.best.ep}\n\n{toml}"
         compression = self.best.compression
         if compression is not None and compression.enabled:  # [amsp]'s keys for it
             toml = toml.rstrip() + "".join(
@@ -267,6 +317,9 @@ class PlanReport:
             "candidates": [c.as_dict() for c in self.candidates],
             "baselines": {k: v.as_dict() for k, v in self.baselines.items()},
         }
+        if self.expert_candidates:
+            out["expert_candidates"] = [c.as_dict() for c in self.expert_candidates]
+            out["rounds"] = [list(r) for r in self.rounds]
         if self.by_tp:
             out["by_tp"] = {str(t): {"chosen": r.best.as_dict(),
                                      "settings": r.settings,
@@ -330,7 +383,8 @@ def estimate_plan(
     compute: ComputeModel | None = None, overlap_param_update: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
-    p_gathers: tuple[int, int] | None = None,
+    p_gathers: tuple[int, int] | None = None, expert_plan: ResolvedPlan | None = None,
+    ep: int = 1,
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
@@ -339,9 +393,18 @@ def estimate_plan(
     (cost/pipeline.py): `plan` is then one stage's data-parallel plan, costed on every
     pipeline rank's stages; ``micro_batches`` is ignored for the pipeline's own.
     p_gathers: (forward, backward) all-gathers over "p" of every unit per step, when not
-    one per micro-batch (a pipeline stage's, Pipeline.all_gathers)."""
+    one per micro-batch (a pipeline stage's, Pipeline.all_gathers).
+    expert_plan, ep: a model with experts: the routed experts' plan (resolved over the
+    expert world, sharding_plan.expert_parallel_world) and the EP degree; required for
+    such a model (the experts are a group of their own, never on the dense plan)."""
     if compression is not None and not compression.enabled:
         compression = None
+    if (model.experts is None) != (expert_plan is None):
+        raise ValueError(f"model {model.name}: " + (
+            "has experts: give expert_plan (and ep)" if expert_plan is None else
+            "has no experts: expert_plan and ep apply to a mixture-of-experts model"))
+    if expert_plan is not None and pipeline is not None:
+        raise ValueError("the cost model has no pipeline parallelism with experts yet")
     if pipeline is not None:
         return _estimate_pipelined(
             model, plan, pipeline, seq_len=seq_len, micro_batch=micro_batch,
@@ -356,7 +419,7 @@ def estimate_plan(
                           reshard_after_forward=reshard_after_forward,
                           reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                           clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel,
-                          compression=compression)
+                          compression=compression, expert_plan=expert_plan, ep=ep)
     shapes = model.unit_param_shapes(tp)
     event_args = dict(reshard_after_forward=reshard_after_forward, clip=clip,
                       reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
@@ -365,10 +428,15 @@ def estimate_plan(
                               compression=compression, **event_args)
     if p_gathers is not None:
         events = with_p_gathers(events, p_gathers)
+    expert_args = dict(model=model, plan=plan, expert_plan=expert_plan, ep=ep,
+                       micro_batches=micro_batches, seq_len=seq_len, micro_batch=micro_batch,
+                       dtype_bytes=DTYPE_BYTES[mixed_precision], **event_args)
+    events += _expert_events(**expert_args, compression=compression)
     exact_bytes = None
     if compression is not None:
         exact = predicted_events(plan, shapes, micro_batches, DTYPE_BYTES[mixed_precision],
                                  model.root_unit_index, **event_args)
+        exact += _expert_events(**expert_args)
         exact_bytes = bytes_by_locality(exact)
         exact_bytes["wire_inter"] = sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
                                         for e in exact if e.inter_node)
@@ -377,6 +445,9 @@ def estimate_plan(
                          activation_checkpointing=activation_checkpointing,
                          loss_parallel=loss_parallel, clip=clip)
     os_numel = shard_numel([sh for unit in shapes for sh in unit], plan.s_os)
+    if expert_plan is not None:
+        os_numel += shard_numel([sh for unit in model.expert_units(ep) for sh in unit],
+                                expert_plan.s_os)
     st = step_time(model, events, time_model, seq_len=seq_len, micro_batch=micro_batch,
                    micro_batches=micro_batches, os_numel=os_numel, compute=compute,
                    activation_checkpointing=activation_checkpointing,
@@ -397,7 +468,28 @@ def estimate_plan(
         tp_events=tp_comms,
         compression=compression,
         exact_bytes=exact_bytes,
+        expert_plan=expert_plan,
+        ep=ep,
     )
+
+
+def _expert_events(*, model: ModelShape, plan: ResolvedPlan, expert_plan, ep: int,
+                   micro_batches: int, seq_len: int, micro_batch: int, dtype_bytes: int,
+                   reshard_after_forward, clip: bool, reduce_dtype_bytes,
+                   compression: Compression | None = None) -> list[PlannedComm]:
+    """The routed experts' collectives on their plan (their units EP-local) and EP's token
+    all-to-alls (cost/comm.py), none without experts. hpZ (an int reshard_after_forward)
+    is the dense units': the experts reshard fully."""
+    if expert_plan is None:
+        return []
+    x = model.experts
+    raf = reshard_after_forward if isinstance(reshard_after_forward, bool) else True
+    return predicted_expert_events(
+        expert_plan, ep, plan.ranks_per_node, model.expert_units(ep), micro_batches,
+        dtype_bytes, raf, clip, reduce_dtype_bytes=reduce_dtype_bytes,
+        compression=compression) + predicted_ep_events(
+        ep, plan.ranks_per_node, model.moe_layers, seq_len * micro_batch, x.top_k, model.dim,
+        x.n_experts, micro_batches, dtype_bytes)
 
 
 def _estimate_pipelined(model: ModelShape, plan: ResolvedPlan, pipeline: Pipeline, *,
@@ -502,6 +594,7 @@ def choose_plan(
     rank_by: str = "step", backend: str = "nccl", tp: Union[int, str] = 1,
     global_batch_tokens: int | None = None, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
+    ep: int = 1,
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -534,6 +627,12 @@ def choose_plan(
       pipeline's (give neither micro_batches nor global_batch_tokens), and every plan
       is costed on each pipeline rank's stages; a schedule that splits backwards
       (zero bubble) keeps the plans with param = 1 (engine/pipeline.py).
+    ep: the expert-parallel degree, for a model with experts (Experts in cost/models.py):
+      the plans are then pairs, a dense plan over the data-parallel world and an expert
+      plan over the expert world (W / ep ranks, sharding_plan.expert_parallel_world),
+      chosen by alternating (_choose_pair); report.expert_candidates ranks the expert
+      plans beside the chosen dense one. The baselines pair the same system for both
+      groups (ZeRO-3/FSDP: torchtitan's FSDP2 + EP, experts sharded over the expert world).
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
@@ -546,7 +645,11 @@ def choose_plan(
                 norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                 compute=compute, overlap_param_update=overlap_param_update, cluster=cluster,
                 rank_by=rank_by, backend=backend, loss_parallel=loss_parallel,
-                compression=_compression(compression), pipeline=pipeline)
+                compression=_compression(compression), pipeline=pipeline, ep=ep)
+    if (shape.experts is not None or ep != 1) and (tp == "auto" or pipeline is not None):
+        raise ValueError(f"model {shape.name} with experts (ep={ep}): the cost model has "
+                         "neither tp='auto' nor pipeline parallelism with experts; use tp=1 "
+                         "and no pipeline")
     if pipeline is not None:
         if tp == "auto":
             raise ValueError("tp='auto' with a pipeline: give the TP degree")
@@ -622,7 +725,7 @@ def _choose_plan(
     reserve_bytes: int, compute: ComputeModel | None, overlap_param_update: bool,
     cluster: NcclModel | None, rank_by: str, backend: str, tp: int,
     global_batch_tokens: int | None, loss_parallel: bool,
-    compression: Compression | None = None, pipeline: Pipeline | None = None,
+    compression: Compression | None = None, pipeline: Pipeline | None = None, ep: int = 1,
 ) -> PlanReport:
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
                         ("world_size", world_size), ("ranks_per_node", ranks_per_node)):
@@ -665,9 +768,20 @@ def _choose_plan(
     plans = enumerate_plans(world_size, ranks_per_node, tp)
     if pipeline is not None and pipeline.split_backward:
         plans = [p for p in plans if p.s_p == 1]  # split backwards need plain parameters
-    estimates = [estimate_plan(shape, p, **common) for p in plans]
     if rank_by not in ("step", "comm"):
         raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
+    expert_world = None
+    if shape.experts is None:
+        if ep != 1:
+            raise ValueError(f"ep={ep}: model {shape.name} has no experts; expert "
+                             "parallelism applies to a mixture-of-experts model")
+        estimates = [estimate_plan(shape, p, **common) for p in plans]
+        expert_estimates, rounds = [], []
+    else:
+        expert_world = expert_parallel_world(dp_world, dp_per_node, ep)
+        shape.expert_units(ep)  # ep must divide the experts
+        estimates, expert_estimates, rounds = _choose_pair(
+            shape, plans, enumerate_plans(*expert_world), ep, common, rank_by)
     fitting = _rank((e for e in estimates if e.fits), rank_by)
     if not fitting and require_fit:
         raise NoPlanFits(int(memory_budget_bytes), min(estimates, key=lambda e: e.memory.total))
@@ -676,14 +790,20 @@ def _choose_plan(
     if include_baselines:
         # under TP the baselines shard the data-parallel world: FSDP2 + TP (ZeRO-3 over
         # W / tp ranks), HSDP + TP (shard over the node's R / tp DP ranks), ...
+        def experts_as(key):  # a baseline's experts: the same system over their world
+            if expert_world is None:
+                return {}
+            return dict(expert_plan=BASELINES[key].resolve(*expert_world), ep=ep)
+
         for key, sp in BASELINES.items():
             rp = sp.resolve(world_size, ranks_per_node, tensor_parallel_degree=tp)
-            baselines[key] = estimate_plan(shape, rp, label=BASELINE_LABELS[key], **common)
+            baselines[key] = estimate_plan(shape, rp, label=BASELINE_LABELS[key], **common,
+                                           **experts_as(key))
         rp = BASELINES["zero3"].resolve(world_size, ranks_per_node, tensor_parallel_degree=tp)
         k = min(dp_per_node, dp_world)
         baselines["hpz"] = estimate_plan(shape, rp, label=BASELINE_LABELS["hpz"],
                                          reshard_after_forward=k if k < dp_world else True,
-                                         **common)
+                                         **common, **experts_as("zero3"))
     settings = dict(seq_len=seq_len, micro_batch=micro_batch, micro_batches=micro_batches,
                     world_size=world_size, ranks_per_node=ranks_per_node,
                     memory_budget_bytes=(int(memory_budget_bytes) if memory_budget_bytes != float("inf")
@@ -701,8 +821,53 @@ def _choose_plan(
                                    micro_batches=pipeline.micro_batches,
                                    stages=[vars(st) for st in pipeline.stages])
                               if pipeline is not None else None),
-                    compression=str(compression) if compression is not None else None)
-    return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp)
+                    compression=str(compression) if compression is not None else None,
+                    expert_parallel_degree=ep if expert_world is not None else None,
+                    expert_world_size=expert_world[0] if expert_world is not None else None)
+    return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp,
+                      expert_candidates=expert_estimates, rounds=rounds)
+
+
+# the alternating search's rounds at most: each round keeps one group's plan and picks
+# the other's; it stops when a round changes neither
+MAX_PAIR_ROUNDS = 4
+
+
+def _choose_pair(shape: ModelShape, plans: list, expert_plans: list, ep: int, common: dict,
+                 rank_by: str) -> tuple[list, list, list]:
+    """(dense plan, expert plan) for a model with experts, by alternating: start from
+    the experts sharded as torchtitan does (ZeRO-3 over the expert world), rank every
+    dense plan with them, then every expert plan with the best dense one, and again,
+    until a round keeps the expert plan it started from (its dense ranking is then of
+    the chosen pair). The groups interact only through
+    memory (one budget) and the shared communication queue, so the search settles in
+    two or three rounds (len(plans) + len(expert_plans) estimates each) where all pairs
+    would be their product. Returns every dense plan's estimate with the chosen expert
+    plan, every expert plan's with the chosen dense plan, and each round's choice."""
+    expert = BASELINES["zero3"].resolve(expert_plans[0].world_size,
+                                        expert_plans[0].ranks_per_node)
+    rounds: list[tuple[str, str]] = []
+    for _ in range(MAX_PAIR_ROUNDS):
+        dense = [estimate_plan(shape, p, expert_plan=expert, ep=ep, **common) for p in plans]
+        pick = _best(dense, rank_by)
+        experts = [estimate_plan(shape, pick.plan, expert_plan=q, ep=ep, **common)
+                   for q in expert_plans]
+        best = _best(experts, rank_by)
+        rounds.append((pick.plan.name, best.expert_plan.name))
+        if best.expert_plan == expert:  # the dense ranking above holds for this pair
+            break
+        expert = best.expert_plan
+    else:  # not settled: rank the dense plans with the last expert plan
+        dense = [estimate_plan(shape, p, expert_plan=expert, ep=ep, **common) for p in plans]
+    ranked = _rank((e for e in experts if e.fits), rank_by)
+    ranked += sorted((e for e in experts if not e.fits), key=lambda e: e.memory.total)
+    return dense, ranked, rounds
+
+
+def _best(estimates: list, rank_by: str):
+    """The fastest that fits, else the smallest."""
+    fitting = _rank((e for e in estimates if e.fits), rank_by)
+    return fitting[0] if fitting else min(estimates, key=lambda e: e.memory.total)
 
 
 auto_plan = choose_plan

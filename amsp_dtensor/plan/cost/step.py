@@ -47,6 +47,14 @@ activations each way, the norms' gradient all-reduces, the embedding's and the h
 sit on the critical path, added to the unit's compute time, not overlapped (async TP is
 not modelled). They are counted in ``exposed_comm_seconds`` and, separately, in
 ``tp_comm_seconds``. MFU counts the model FLOPs of one GPU: the DP rank's / t.
+
+Mixture of experts. A block's compute is that of its active parameters (the dense
+group's and top_k routed experts'; block_flops_per_token). An expert unit's collectives
+are queued right after its block's own (the same unit index on the timeline): its
+all-gathers before the block computes, its reduce-scatters after. EP's token
+all-to-alls (counts, tokens out, outputs back; their gradients in backward) sit on the
+critical path of each MoE block like TP's collectives: the block waits for its tokens.
+They are counted in ``exposed_comm_seconds`` and, separately, in ``ep_comm_seconds``.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..sharding_plan import EXPERT_DIM_PREFIX
 from .comm import PlannedComm, TimeModel
 from .models import ModelShape
 
@@ -77,7 +86,9 @@ class ComputeModel:
 
 
 def block_flops_per_token(model: ModelShape, seq_len: int) -> float:
-    return 2.0 * model.block_numel + 2.0 * seq_len * model.dim
+    """block_numel is a block's active parameters (with experts: the dense group's and
+    top_k routed experts', the mean over the blocks); attention_width is dim for llama3."""
+    return 2.0 * model.block_numel + 2.0 * seq_len * model.attention_width
 
 
 def root_flops_per_token(model: ModelShape) -> float:
@@ -101,13 +112,14 @@ class StepTime:
     tokens: int  # tokens per data-parallel rank per step
     tp_comm_seconds: float = 0.0  # TP's collectives, on the critical path
     codec_seconds: float = 0.0  # encode/decode of compressed stages (comm queue)
+    ep_comm_seconds: float = 0.0  # EP's token all-to-alls, on the critical path
 
     def as_dict(self) -> dict:
         return dict(seconds=self.seconds, compute_seconds=self.compute_seconds,
                     comm_sum_seconds=self.comm_sum_seconds,
                     exposed_comm_seconds=self.exposed_comm_seconds, mfu=self.mfu,
                     tokens_per_rank=self.tokens, tp_comm_seconds=self.tp_comm_seconds,
-                    codec_seconds=self.codec_seconds)
+                    codec_seconds=self.codec_seconds, ep_comm_seconds=self.ep_comm_seconds)
 
 
 class _Timeline:
@@ -145,10 +157,12 @@ def codec_bytes_touched(ev: PlannedComm) -> int:
     return 2 * ev.raw_nbytes + 2 * ev.nbytes
 
 
-def _per_call(events: Iterable[PlannedComm], model: TimeModel,
-              hbm_bw: float = 0.0) -> tuple[dict, float, float, float]:
+def _per_call(events: Iterable[PlannedComm], model: TimeModel, hbm_bw: float = 0.0,
+              shape: ModelShape | None = None) -> tuple[dict, float, float, float]:
     """{(unit, phase, op, dim): seconds per call incl. codec}, the collectives' sum
-    (no codec), the clip's, and the codec's seconds per step."""
+    (no codec), the clip's, and the codec's seconds per step. An expert unit's
+    collective ("expert_p", ...) is charged to its block's (unit, phase, op, dim), after
+    the block's own on the queue; EP's token all-to-alls are not here (_ep_seconds)."""
     table: dict = {}
     total = 0.0
     clip = 0.0
@@ -163,8 +177,33 @@ def _per_call(events: Iterable[PlannedComm], model: TimeModel,
             tc = codec_bytes_touched(ev) / hbm_bw
             codec += tc * ev.count
             t += tc
-        table[(ev.unit, ev.phase, ev.op, ev.dim)] = t
+        unit, dim = ev.unit, ev.dim
+        if dim.startswith(EXPERT_DIM_PREFIX):
+            unit, dim = shape.expert_unit_block(unit), dim[len(EXPERT_DIM_PREFIX):]
+        key = (unit, ev.phase, ev.op, dim)
+        table[key] = table.get(key, 0.0) + t
     return table, total, clip, codec
+
+
+def is_token_exchange(ev: PlannedComm) -> bool:
+    """Expert parallelism's own all-to-alls (cost/comm.py predicted_ep_events)."""
+    return ev.op == "all_to_all" and ev.dim == "ep"
+
+
+def _ep_seconds(model: ModelShape, events: list[PlannedComm], time_model: TimeModel,
+                micro_batches: int) -> tuple[dict, float]:
+    """EP's token all-to-alls per MoE block and micro-batch, {(block, phase): seconds}:
+    on the critical path, as TP's collectives (the block waits for its tokens), and
+    their sum per step."""
+    per_block = {"forward": 0.0, "backward": 0.0}
+    total = 0.0
+    for ev in events:
+        t = time_model.time(ev.op, ev.nbytes, ev.group) * ev.count
+        per_block[ev.phase] += t / (micro_batches * model.moe_layers)
+        total += t
+    table = {(model.block_unit(layer), phase): seconds for layer in range(model.n_layers)
+             if model.is_moe_layer(layer) for phase, seconds in per_block.items()}
+    return table, total
 
 
 def step_time(
@@ -184,7 +223,15 @@ def step_time(
     cm = compute or ComputeModel()
     L, M = model.n_layers, int(micro_batches)
     tokens = seq_len * micro_batch
-    per_call, comm_sum, clip, codec = _per_call(events, time_model, cm.hbm_bw)
+    tokens_exchange = [ev for ev in events if is_token_exchange(ev)]
+    events = [ev for ev in events if not is_token_exchange(ev)]
+    per_call, comm_sum, clip, codec = _per_call(events, time_model, cm.hbm_bw, model)
+    ep_seconds, ep_sum = _ep_seconds(model, tokens_exchange, time_model, M)
+    comm_sum += ep_sum
+    if ep_seconds:
+        tp_seconds = dict(tp_seconds or {})
+        for key, seconds in ep_seconds.items():
+            tp_seconds[key] = tp_seconds.get(key, 0.0) + seconds
 
     def c(unit, phase, op, dim):
         return per_call.get((unit, phase, op, dim), 0.0)
@@ -285,6 +332,7 @@ def step_time(
         exposed_comm_seconds=max(0.0, seconds - tl.compute_busy),
         mfu=flops / (seconds * cm.peak_flops) if seconds > 0 else 0.0,
         tokens=tokens * M,
-        tp_comm_seconds=tl.tp_busy,
+        tp_comm_seconds=tl.tp_busy - ep_sum,
         codec_seconds=codec,
+        ep_comm_seconds=ep_sum,
     )

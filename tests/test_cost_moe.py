@@ -1,0 +1,164 @@
+"""The cost model with experts: the MoE model shapes against the models torchtitan builds
+from its own args (on the meta device), the EP-local expert units, the step's events
+(dense plan, expert plan, EP's all-to-alls) and the planner's choice of both plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from amsp_dtensor.plan.cost.models import MODELS, from_torchtitan_args
+
+TITAN = {  # our name: (torchtitan model, flavor)
+    "deepseek_v3_debugmodel": ("deepseek_v3", "debugmodel"),
+    "deepseek_v3_16b": ("deepseek_v3", "16B"),
+    "deepseek_v3_671b": ("deepseek_v3", "671B"),
+    "qwen3_debugmodel_moe": ("qwen3", "debugmodel_moe"),
+    "qwen3_30b_a3b": ("qwen3", "30B-A3B"),
+}
+
+
+@pytest.fixture(scope="module")
+def titan():
+    from amsp_dtensor.titan import cpu_compat
+
+    cpu_compat.apply()  # torchtitan's MoE imports triton kernels; CPU stands in for them
+    import torchtitan.protocols.train_spec as train_spec
+
+    return train_spec.get_train_spec
+
+
+def _built(titan, model: str, flavor: str):
+    spec = titan(model)
+    args = dataclasses.replace(spec.model_args[flavor])
+    args.moe_impl = "standard"  # what update_from_config sets from the job (no DeepEP)
+    with torch.device("meta"):
+        return spec.model_cls(args), args
+
+
+@pytest.mark.parametrize("name", sorted(TITAN))
+def test_moe_shapes_are_torchtitans(titan, name):
+    """Every parameter of torchtitan's model, by name and shape: the dense group's of each
+    block (attention, norms, dense FFN or router and shared experts), the routed experts'
+    of each MoE block, the root's; and from_torchtitan_args gives the same shape."""
+    module, args = _built(titan, *TITAN[name])
+    shape = MODELS[name]
+    assert dataclasses.replace(from_torchtitan_args(name, args), notes=shape.notes) == shape
+    for layer, block in enumerate(module.layers.values()):
+        got = {n: tuple(p.shape) for n, p in block.named_parameters()
+               if ".experts." not in f".{n}"}
+        want = {p.name: p.shape for p in shape.block_params(layer=layer)}
+        assert got == want, (name, layer)
+        experts = {n: tuple(p.shape) for n, p in block.named_parameters()
+                   if n.startswith("moe.experts.")}
+        want = {p.name: p.shape for p in shape.expert_params()} if shape.is_moe_layer(layer) else {}
+        assert experts == want, (name, layer)
+    in_blocks = {id(p) for p in module.layers.parameters()}
+    root = {n: tuple(p.shape) for n, p in module.named_parameters() if id(p) not in in_blocks}
+    assert root == {p.name: p.shape for p in shape.root_params()}
+    assert shape.num_params == sum(p.numel() for p in module.parameters())
+
+
+def test_published_sizes():
+    """Total and active parameters as published: DeepSeek-V3 671B / 37B, Qwen3-30B-A3B
+    30.5B / 3.3B (the active count here includes embeddings and output head)."""
+    v3, qwen = MODELS["deepseek_v3_671b"], MODELS["qwen3_30b_a3b"]
+    assert round(v3.num_params / 1e9) == 671 and round(v3.active_params / 1e9) == 38
+    assert round(qwen.num_params / 1e8) == 305 and round(qwen.active_params / 1e8) == 34
+    assert v3.moe_layers == 58 and qwen.moe_layers == 48
+
+
+def test_expert_units_are_ep_local():
+    m = MODELS["deepseek_v3_16b"]
+    assert m.expert_units(8) == [[(8, 1408, 2048), (8, 2048, 1408), (8, 1408, 2048)]] * 26
+    with pytest.raises(ValueError, match="ep=3 does not divide .* 64 experts"):
+        m.expert_units(3)
+    with pytest.raises(ValueError, match="tensor_parallel_degree=2 .* use tp 1"):
+        m.units(2)
+
+
+# ---- the step's events and the planner --------------------------------------------------
+
+from amsp_dtensor.plan import ShardingPlan, expert_parallel_world  # noqa: E402
+from amsp_dtensor.plan.cost.comm import (event_counter, predicted_ep_events,  # noqa: E402
+                                         predicted_events, predicted_expert_events)
+from amsp_dtensor.plan.cost.memory import state_bytes  # noqa: E402
+from amsp_dtensor.plan.cost.nccl import NcclModel  # noqa: E402
+from amsp_dtensor.plan.cost.planner import choose_plan, estimate_plan  # noqa: E402
+
+GiB = 2**30
+W, R = 1024, 8
+JOB = dict(seq_len=4096, micro_batch=1, global_batch_tokens=4096 * W * 4, world_size=W,
+           ranks_per_node=R, memory_budget_bytes=75 * GiB, reserve_bytes=5 * GiB)
+
+
+def test_a_pairs_estimate_is_both_groups_and_eps_all_to_alls():
+    """estimate_plan of (dense plan, expert plan, ep): the events are the dense plan's on
+    the dense units, the expert plan's on the EP-local expert units over the expert world,
+    and EP's token all-to-alls (inside the node at ep 8: intra); the states are each
+    group's formula; the step charges EP's all-to-alls on the critical path."""
+    m = MODELS["deepseek_v3_16b"]
+    ep, M = 8, 4
+    dense = ShardingPlan(8, 8, 64).resolve(W, R)
+    e_world, e_per_node = expert_parallel_world(W, R, ep)
+    assert (e_world, e_per_node) == (128, 1)
+    expert = ShardingPlan(1, 1, 8).resolve(e_world, e_per_node)
+    est = estimate_plan(m, dense, seq_len=4096, micro_batch=1, micro_batches=M,
+                        memory_budget_bytes=75 * GiB, time_model=NcclModel(gpus_per_node=R),
+                        expert_plan=expert, ep=ep)
+    want = event_counter(predicted_events(dense, m.unit_param_shapes(), M, 2,
+                                          m.root_unit_index, clip=True))
+    want += event_counter(predicted_expert_events(expert, ep, R, m.expert_units(ep), M, 2,
+                                                  clip=True))
+    tokens = predicted_ep_events(ep, R, 26, 4096, 6, 2048, 64, M, 2)
+    want += event_counter(tokens)
+    assert event_counter(est.events) == want
+    assert all(not t.inter_node for t in tokens)  # ep 8 inside a node of 8
+    assert tokens[1].nbytes == 4096 * 6 * 2048 * 2 and tokens[1].count == 2 * M * 26
+    assert est.memory.expert_states == state_bytes(m.expert_units(ep), 1, 1, 8, 2)
+    assert est.memory.states.total == (est.memory.expert_states.total + state_bytes(
+        m.unit_param_shapes(), 8, 8, 64, 2).total)
+    nccl = NcclModel(gpus_per_node=R)
+    a2a = sum(nccl.time(t.op, t.nbytes, t.group) * t.count for t in tokens)
+    assert est.step.ep_comm_seconds == pytest.approx(a2a)
+    assert est.step.seconds > est.step.compute_seconds + a2a * 0.999  # on the critical path
+    groups = est.group_bytes()
+    assert groups["ep"] == {"intra": sum(t.nbytes * t.count for t in tokens), "inter": 0}
+
+
+@pytest.mark.parametrize("name,ep", [("deepseek_v3_16b", 8), ("qwen3_30b_a3b", 8),
+                                     ("deepseek_v3_671b", 64)])
+def test_the_planner_picks_both_plans(name, ep):
+    """choose_plan(ep=...) on a model with experts: the chosen pair is the fastest fitting
+    dense plan with the chosen expert plan and the fastest fitting expert plan with the
+    chosen dense plan (the search settled), it fits, it is no slower than torchtitan's
+    layout (ZeRO-3 for both groups) and its TOML names both plans and the EP degree."""
+    job = dict(JOB, activation_checkpointing="full") if name.endswith("671b") else JOB
+    r = choose_plan(name, ep=ep, **job)
+    best = r.best
+    assert best.fits and best.expert_plan is not None and best.ep == ep
+    assert r.rounds[-1] == (best.plan.name, best.expert_plan.name)
+    fit = [c for c in r.candidates if c.fits]
+    assert best.step_seconds <= min(c.step_seconds for c in fit) * 1.01
+    efit = [c for c in r.expert_candidates if c.fits]
+    assert r.expert_candidates[0].expert_plan == best.expert_plan
+    assert r.expert_candidates[0].step_seconds <= min(c.step_seconds for c in efit) * 1.01
+    assert all(c.expert_plan == best.expert_plan for c in r.candidates)
+    assert all(c.plan == best.plan for c in r.expert_candidates)
+    zero3 = r.baselines["zero3"]
+    assert zero3.expert_plan.s_p == zero3.expert_plan.world_size  # experts FSDP'd too
+    assert not zero3.fits or best.step_seconds <= zero3.step_seconds
+    toml = r.to_toml()
+    assert f"expert_parallel_degree = {ep}" in toml
+    assert f"expert_optim_shard = {best.expert_plan.s_os}" in toml
+
+
+def test_bad_expert_input():
+    with pytest.raises(ValueError, match="ep=2: model llama3_8b has no experts"):
+        choose_plan("llama3_8b", ep=2, **JOB)
+    with pytest.raises(ValueError, match="ep=3 does not divide"):
+        choose_plan("deepseek_v3_16b", ep=3, **JOB)
+    with pytest.raises(ValueError, match="neither tp='auto' nor pipeline"):
+        choose_plan("deepseek_v3_16b", ep=8, tp="auto", **JOB)
