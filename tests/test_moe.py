@@ -18,7 +18,7 @@ from amsp_dtensor.plan import ShardingPlan, expert_parallel_world
 from amsp_dtensor.plan.cost.comm import (event_counter, predicted_ep_events,
                                          predicted_events, predicted_expert_events)
 from amsp_dtensor.testing.scenarios import MICRO_BATCH, SEQ_LEN
-from amsp_dtensor.testing.moe import reference_training
+from amsp_dtensor.testing.moe import moe_unit_shapes, reference_training
 from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.tiny_moe import TinyMoE, TinyMoEConfig
 from engine_cases import rel_diff
@@ -140,23 +140,6 @@ def test_expert_collectives_on_their_own_mesh(world, ep, dense, expert):
     assert any(not e[1].startswith("expert_") for e in events)
 
 
-def _unit_shapes() -> tuple[list, int, list]:
-    """(dense units' param shapes, the root unit's index, the expert units' whole shapes)
-    as testing/moe.shard_moe cuts the tiny MoE: each MoE layer's experts, every block's
-    other params, the root (embeddings, final norm, output)."""
-    model = TinyMoE(TinyMoEConfig())
-    dense, experts = [], []
-    for block in model.layers:
-        routed = block.moe.experts if block.moe is not None else None
-        if routed is not None:
-            experts.append([tuple(p.shape) for p in routed.parameters()])
-        own = {id(p) for p in routed.parameters()} if routed is not None else set()
-        dense.append([tuple(p.shape) for p in block.parameters() if id(p) not in own])
-    in_blocks = {id(p) for block in model.layers for p in block.parameters()}
-    dense.append([tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks])
-    return dense, len(dense) - 1, experts
-
-
 @pytest.mark.parametrize("ep,dense,expert", PAIRS, ids=PAIR_IDS)
 def test_recorded_collectives_equal_the_cost_model(world, ep, dense, expert):
     """Every collective of a step (2 micro-batches, clipping), by op, mesh dim, group
@@ -164,8 +147,7 @@ def test_recorded_collectives_equal_the_cost_model(world, ep, dense, expert):
     plan on the dense units, predicted_expert_events of the expert plan on the experts'
     EP-local shapes, and predicted_ep_events, the model's own token all-to-alls over "ep"
     (see _split_by_routing for the bytes that follow the routing)."""
-    dense_units, root, expert_units = _unit_shapes()
-    local = [[(rows // ep, *rest) for rows, *rest in unit] for unit in expert_units]
+    dense_units, root, local = moe_unit_shapes(TinyMoE(TinyMoEConfig()), ep)
     e_world, e_per_node = expert_parallel_world(WORLD, PER_NODE, ep)
     want = event_counter(predicted_events(
         ShardingPlan(*dense).resolve(WORLD, PER_NODE), dense_units, 2, 4, root, clip=True))

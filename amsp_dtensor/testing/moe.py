@@ -83,6 +83,22 @@ def shard_moe(model: TinyMoE, mesh, ep: int) -> None:
     amsp.fully_shard(model, mesh=mesh)
 
 
+def moe_unit_shapes(model: TinyMoE, ep: int = 1) -> tuple[list, int, list]:
+    """(dense units' param shapes, the root unit's index, the expert units' EP-local
+    shapes) as shard_moe cuts an unsplit tiny MoE: each MoE layer's experts (rows / ep),
+    every block's other params, the root (embeddings, final norm, output)."""
+    dense, experts = [], []
+    for block in model.layers:
+        routed = block.moe.experts if block.moe is not None else None
+        if routed is not None:
+            experts.append([(p.shape[0] // ep, *p.shape[1:]) for p in routed.parameters()])
+        own = {id(p) for p in routed.parameters()} if routed is not None else set()
+        dense.append([tuple(p.shape) for p in block.parameters() if id(p) not in own])
+    in_blocks = {id(p) for block in model.layers for p in block.parameters()}
+    dense.append([tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks])
+    return dense, len(dense) - 1, experts
+
+
 def build_moe(dense, expert, ep, compression: dict | None = None):
     """The tiny MoE under (dense plan, expert plan) tuples with EP degree ``ep``, and its
     AMSPOptimizer (AdamW); ``compression``: keyword arguments of amsp.set_compression."""

@@ -31,6 +31,10 @@ class TinyMoEConfig(TinyLlamaConfig):
     top_k: int = 2
     expert_dim: int = 24
     shared_dim: int = 16  # the shared expert's hidden size (0: none)
+    # route token t's j-th choice to expert (t * top_k + j) % n_experts, weighted by its
+    # renormalised scores there (torchtitan's _debug_force_load_balance): every rank
+    # routes alike, every expert gets the same tokens when tokens x top_k divides evenly
+    balanced: bool = False
 
 
 class GroupedExperts(nn.Module):
@@ -44,6 +48,9 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(n_experts, dim, hidden) * hidden ** -0.5)
         self.w3 = nn.Parameter(torch.randn(n_experts, hidden, dim) * dim ** -0.5)
         self.ep_group = None  # set by expert_parallelize
+        # the token counts this rank receives are its own (every rank routes alike): for a
+        # process group that moves no data (torch's fake backend); the exchange still runs
+        self.counts_from_self = False
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``tokens`` sorted by expert, ``counts[e]`` of them for expert e (every expert
@@ -71,6 +78,9 @@ class GroupedExperts(nn.Module):
         ep = dist.get_world_size(group)
         local = self.n_experts // ep
         received = compat.all_to_all_counts(counts, group)  # [source, local expert]
+        if self.counts_from_self:
+            mine = counts.view(ep, local)[dist.get_rank(group)]
+            received = mine.repeat(ep)
         send = counts.view(ep, local).sum(1).tolist()
         recv_by_source = received.view(ep, local)
         recv = recv_by_source.sum(1).tolist()
@@ -91,6 +101,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: TinyMoEConfig):
         super().__init__()
         self.top_k = cfg.top_k
+        self.balanced = cfg.balanced
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.dim, cfg.expert_dim, cfg.n_experts)
         self.shared_expert = (FeedForward(TinyLlamaConfig(dim=cfg.dim, ffn_dim=cfg.shared_dim))
@@ -100,7 +111,12 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores = F.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.balanced:
+            n = self.experts.n_experts
+            experts = (torch.arange(x.shape[0] * self.top_k) % n).view(-1, self.top_k)
+            weights = scores.gather(1, experts)
+        else:
+            weights, experts = scores.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
