@@ -95,6 +95,29 @@ def test_moe_loss_matches_torchtitan_fsdp2_ep(model, pair, reference, tmp_path):
     assert tb["memory_by_state/expert/param(MiB)"][1] > 0
 
 
+def test_plan_auto_chooses_both_plans_and_matches_torchtitan(reference, tmp_path):
+    """plan = "auto" with ep 2 on deepseek_v3: the planner picks the dense and the expert
+    plan (logged), the job runs under that pair (TensorBoard's amsp/s_* and
+    amsp/expert_s_*), and its losses equal torchtitan's own FSDP2 + EP from the same
+    seed."""
+    seed, want = reference("deepseek_v3")
+    proc = torchrun(["--model.name", "deepseek_v3_amsp", *MODELS["deepseek_v3"], *EP2,
+                     "--amsp.plan", "auto", *_load(seed)], tmp_path, timeout=900)
+    line = next(ln for ln in (proc.stdout + proc.stderr).splitlines()
+                if '[amsp] plan = "auto": the planner chose ' in ln)
+    chosen = line.split("the planner chose ", 1)[1]
+    dense, rest = chosen.split(" + experts ")
+    expert = rest.split(" (ep 2)")[0]
+    tb = scalars(tmp_path)
+    for prefix, name in (("amsp/s_", dense), ("amsp/expert_s_", expert)):
+        factors = [int(f.lstrip("pgos")) for f in name.split("-")]
+        assert [tb[f"{prefix}{k}"][1] for k in ("p", "g", "os")] == factors, (prefix, name)
+    got = losses(tmp_path)
+    assert len(got) == len(want) == STEPS
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= REL_TOL * abs(b), (chosen, step, got, want)
+
+
 MOE = ["--model.name", "qwen3_amsp", "--model.flavor", "debugmodel_moe"]
 
 
@@ -153,12 +176,13 @@ def test_deepseek_v3_pipeline_and_expert_parallel_on_8_ranks(reference, tmp_path
      "parallelism.expert_parallel_degree=2: llama3_amsp debugmodel has no MoE layers"),
     ([*MOE, "--parallelism.pipeline_parallel_degree", "2", "--amsp.optim_shard", "2"], 4, 2,
      "parallelism.pipeline_parallel_degree=2: qwen3_amsp has no pipelining_fn in torchtitan"),
-    ([*MOE, "--parallelism.expert_parallel_degree", "2", "--amsp.plan", "auto"], 4, 2,
-     "amsp.plan='auto' with expert parallelism or [amsp] expert factors: the planner does "
-     "not choose expert plans yet"),
+    ([*MOE, "--parallelism.expert_parallel_degree", "2", "--amsp.plan", "auto",
+      "--amsp.expert_optim_shard", "2"], 4, 2,
+     "amsp.expert_optim_shard=2 with amsp.plan='auto': the planner chooses the expert plan "
+     "too; remove the [amsp] expert_* factors"),
 ], ids=["expert-factor-outside-the-expert-world", "expert-chain-rule", "ep-not-dividing-ranks",
         "ep-not-dividing-experts", "ep-with-tp", "etp", "expert-keys-on-a-dense-model",
-        "ep-on-a-dense-model", "pp-on-a-model-without-pipelining", "auto-with-experts"])
+        "ep-on-a-dense-model", "pp-on-a-model-without-pipelining", "auto-with-expert-factors"])
 def test_expert_refusals_are_one_line_before_start_up(argv, world, local, starts_with,
                                                       monkeypatch, capsys):
     if local == 3:

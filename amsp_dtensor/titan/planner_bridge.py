@@ -94,6 +94,7 @@ def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None
         "param_dtype": job_config.training.mixed_precision_param,
         "bandwidth_table": job_config.amsp.bandwidth_table or None,
         "compression": _compression(job_config, compression),
+        "expert_parallel_degree": job_config.parallelism.expert_parallel_degree,
     }
 
 
@@ -131,14 +132,23 @@ def plan_auto(job_config, world: int, ranks_per_node: int, compression=None,
     _log_choice(report, chosen)
     if not isinstance(chosen, ResolvedPlan):
         chosen = chosen.resolve(world // tp, ranks_per_node // tp)  # the data-parallel world
+    expert = getattr(report, "expert_plan", None)
+    if expert is not None:  # resolve_expert_plan returns it for this dense plan
+        setattr(job_config.amsp, AUTO_EXPERT_PLAN, (chosen, expert))
     return chosen
+
+
+# on job_config.amsp after plan = "auto" on a model with experts: (the dense plan chosen,
+# the expert plan chosen with it)
+AUTO_EXPERT_PLAN = "_auto_expert_plan"
 
 
 def _log_choice(report, chosen) -> None:
     from torchtitan.tools.logging import logger
 
-    logger.info(f"[amsp] plan = \"auto\": the planner chose {chosen.name}")
     best = getattr(report, "best", None)
+    pair = best.pair_name if best is not None and best.expert_plan is not None else chosen.name
+    logger.info(f"[amsp] plan = \"auto\": the planner chose {pair}")
     if best is None:
         return
     gib = 2**30

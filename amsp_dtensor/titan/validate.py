@@ -17,6 +17,8 @@ from amsp_dtensor.plan.sharding_plan import (STRATEGY_NAMES, ResolvedPlan, Shard
 from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError, unknown_amsp_key
+from .planner_bridge import AUTO_EXPERT_PLAN
+from .version import is_titan03
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
 EXPERT_KEYS = ("expert_param_shard", "expert_grad_shard", "expert_optim_shard")
@@ -480,10 +482,14 @@ def resolve_expert_plan(job_config, plan: ResolvedPlan) -> ResolvedPlan | None:
     world), over the expert world (the data-parallel world / expert_parallel_degree);
     None when the experts simply belong to their blocks (no expert parallelism and no
     [amsp] expert key set). An expert factor left at "dp" shards the experts as
-    torchtitan does: over data_parallel_shard_degree / expert_parallel_degree ranks."""
+    torchtitan does: over data_parallel_shard_degree / expert_parallel_degree ranks.
+    Under plan = "auto" on a model with experts, the planner's expert plan."""
     cfg: Amsp = job_config.amsp
     tp = job_config.parallelism.tensor_parallel_degree
     ep = expert_parallel_degree(job_config, plan.world_size, plan.ranks_per_node, tp)
+    auto = getattr(cfg, AUTO_EXPERT_PLAN, None)
+    if auto is not None and auto[0] is plan:  # plan = "auto" chose it with this dense plan
+        return auto[1]
     if ep == 1 and not experts_configured(cfg):
         return None
     world, per_node = expert_parallel_world(plan.world_size, plan.ranks_per_node, ep)
@@ -562,12 +568,17 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     pp = job_world // world
     tp = tensor_parallel_degree(job_config, ranks_per_node)
     layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp)
-    if cfg.plan == "auto" and (job_config.parallelism.expert_parallel_degree != 1
-                               or experts_configured(cfg)):
+    if cfg.plan == "auto" and job_config.parallelism.expert_parallel_degree != 1 and (
+            is_titan03()):
         raise AmspConfigError(
             "amsp.plan='auto' with expert parallelism or [amsp] expert factors: the planner "
-            "does not choose expert plans yet; set param_shard, grad_shard, optim_shard and "
-            "the expert_* factors")
+            "does not choose expert plans yet on torchtitan 0.3 (it does on 0.2.2); set "
+            "param_shard, grad_shard, optim_shard and the expert_* factors")
+    if cfg.plan == "auto" and experts_configured(cfg):
+        key = experts_configured(cfg)[0]
+        raise AmspConfigError(
+            f"amsp.{key}={getattr(cfg, key)!r} with amsp.plan='auto': the planner chooses the "
+            "expert plan too; remove the [amsp] expert_* factors, or drop plan = \"auto\"")
     if cfg.plan == "auto":
         if layout.given:
             raise AmspConfigError(

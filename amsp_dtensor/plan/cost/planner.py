@@ -883,7 +883,7 @@ def plan(
     activation_checkpoint: str = "none", param_dtype: str = "bfloat16",
     bandwidth_table=None, tensor_parallel_degree: Union[int, str] = 1,
     global_batch_size: int | None = None, loss_parallel: bool = True,
-    compression=None, pipeline: Pipeline | None = None,
+    compression=None, pipeline: Pipeline | None = None, expert_parallel_degree: int = 1,
 ) -> PlanReport:
     """Entry point for the torchtitan integration (plan = "auto"); names follow its config.
 
@@ -901,6 +901,8 @@ def plan(
       [amsp] compress_grads / compress_weights.
     pipeline: a Pipeline under [parallelism] pipeline_parallel_degree > 1 (world_size and
       ranks_per_node are then one stage's; the micro-batches are the pipeline's).
+    expert_parallel_degree: [parallelism] expert_parallel_degree; a model with experts
+      (deepseek_v3's, qwen3's MoE args) gets an expert plan too (.expert_plan).
     Returns the PlanReport; .plan is the chosen ResolvedPlan (of the data-parallel world
     when .tp > 1).
     """
@@ -927,5 +929,5 @@ def plan(
         bandwidth=bandwidth_table, mixed_precision=precision,
         activation_checkpointing=_TITAN_AC.get(activation_checkpoint, "none"),
         tp=tensor_parallel_degree, loss_parallel=loss_parallel,
-        compression=compression, pipeline=pipeline, **batch,
+        compression=compression, pipeline=pipeline, ep=expert_parallel_degree, **batch,
     )
