@@ -463,6 +463,7 @@ def step_bytes(
     model: ModelShape, plan: ResolvedPlan, mixed_precision: str = "bf16",
     reduce_dtype: str | None = None, clip: bool = False, backend: str = "nccl",
     tp: int = 1, expert_plan: ResolvedPlan | None = None, ep: int = 1,
+    expert_shard_dim: int = 0,
 ) -> StepBytes:
     """What one rank holds beyond P and OS at the peak of the optimizer step.
 
@@ -493,7 +494,7 @@ def step_bytes(
     units = [(unit_sizes(shapes, plan), plan) for shapes in model.unit_param_shapes(tp)]
     if expert_plan is not None:
         units += [(unit_sizes(shapes, expert_plan), expert_plan)
-                  for shapes in model.expert_units(ep)]
+                  for shapes in model.expert_units(ep, expert_shard_dim)]
     synced_g = r * sum(synced_grad_elements(s, p) for s, p in units)
     outputs = [e * (p.s_os // p.s_p) * s.os for s, p in units if p.s_os > p.s_p]
     gather = sum(e * s.os for s, p in units if p.s_os > p.s_p) + sum(outputs)
@@ -611,7 +612,7 @@ def estimate_memory(
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1,
+    ep: int = 1, expert_shard_dim: int = 0,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
@@ -619,7 +620,7 @@ def estimate_memory(
     expert_plan (a model with experts): the routed experts' plan over the expert world,
     their units EP-local (``ep``): their states join ``states`` (and ``expert_states``);
     the temporary buffers add one expert unit's (expert_temp_bytes), the step's bound
-    covers both groups.
+    covers both groups; expert_shard_dim: models.ModelShape.expert_units.
 
     reduce_dtype: "fp32" keeps G (and the gradient collectives) in fp32 under bf16 params
     (MixedPrecisionPolicy.reduce_dtype); None = the param dtype. reserve_bytes: memory the
@@ -641,28 +642,29 @@ def estimate_memory(
                      activation_checkpointing, attention, norm, reshard_after_forward,
                      reduce_dtype, tp, loss_parallel)
     step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp,
-                      expert_plan, ep)
+                      expert_plan, ep, expert_shard_dim)
     comp = None
     if compression is not None and compression.enabled:
         comp = compression_bytes(model.unit_param_shapes(tp), plan, compression, e, r)
     experts = None
     if expert_plan is not None:
         p = expert_plan
-        experts = state_bytes(model.expert_units(ep), p.s_p, p.s_g, p.s_os, e,
-                              grad_dtype_bytes=r)
+        experts = state_bytes(model.expert_units(ep, expert_shard_dim), p.s_p, p.s_g,
+                              p.s_os, e, grad_dtype_bytes=r)
         states = StateBytes(*(getattr(states, f) + getattr(experts, f)
                               for f in ("param", "grad", "optim")))
-        tmp += expert_temp_bytes(model, expert_plan, ep, e, r)
+        tmp += expert_temp_bytes(model, expert_plan, ep, e, r, expert_shard_dim)
     return MemoryEstimate(states, act, tmp, int(reserve_bytes), step.total, comp, experts)
 
 
-def expert_temp_bytes(model: ModelShape, plan: ResolvedPlan, ep: int, e: int, r: int) -> int:
+def expert_temp_bytes(model: ModelShape, plan: ResolvedPlan, ep: int, e: int, r: int,
+                      shard_dim: int = 0) -> int:
     """What one MoE block's experts add to the backward's temporary buffers, an upper
     bound beside the dense units' peak: with s_p > 1 the unit in compute and the
     prefetched one gathered (2*e*P_u), then its unsharded grads as they are produced and
     the engine's hook input (FSDP2's reduce-scatter output, or the flat copy with s_p =
     1) with, when s_g > s_p, the packed copy and output of the reduce-scatter over "g"."""
-    units = model.expert_units(ep)
+    units = model.expert_units(ep, shard_dim)
     if not units:
         return 0
     unit = units[0]

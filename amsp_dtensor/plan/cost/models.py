@@ -286,10 +286,23 @@ class ModelShape:
                 ParamShape("moe.experts.w2", (e, d, x.hidden)),
                 ParamShape("moe.experts.w3", (e, x.hidden, d))]
 
-    def expert_units(self, ep: int = 1) -> list[list[tuple[int, ...]]]:
+    def expert_units(self, ep: int = 1, shard_dim: int = 0) -> list[list[tuple[int, ...]]]:
         """The expert units' EP-local shapes, one unit per MoE block (the format
-        predicted_expert_events takes)."""
-        return [[p.shape for p in self.expert_params(ep)] for _ in range(self.moe_layers)]
+        predicted_expert_events takes). The cost model shards a tensor's dim 0 (padded to
+        the factor): the engine's layout. ``shard_dim=1`` gives each grouped weight with its
+        dim 1 first: the bytes of torchtitan's Shard(1) for experts, which it uses when
+        the expert data-parallel size x ep exceeds the experts (no padding)."""
+        shapes = [p.shape for p in self.expert_params(ep)]
+        if shard_dim == 1:
+            shapes = [(s[1], s[0], *s[2:]) for s in shapes]
+        elif shard_dim != 0:
+            raise ValueError(f"shard_dim={shard_dim!r}; use 0 or 1")
+        return [list(shapes) for _ in range(self.moe_layers)]
+
+    def titan_expert_shard_dim(self, plan, ep: int) -> int:
+        """The dim torchtitan shards the experts on under ``plan`` (over the expert world):
+        1 when its largest factor x ep exceeds the experts, else 0."""
+        return 1 if max(plan.s_p, plan.s_g, plan.s_os) * ep > self.experts.n_experts else 0
 
     def block_unit(self, layer: int) -> int:
         """The index among units() of block ``layer``'s unit."""

@@ -384,7 +384,7 @@ def estimate_plan(
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
     p_gathers: tuple[int, int] | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1,
+    ep: int = 1, expert_shard_dim: int = 0,
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
@@ -396,7 +396,9 @@ def estimate_plan(
     one per micro-batch (a pipeline stage's, Pipeline.all_gathers).
     expert_plan, ep: a model with experts: the routed experts' plan (resolved over the
     expert world, sharding_plan.expert_parallel_world) and the EP degree; required for
-    such a model (the experts are a group of their own, never on the dense plan)."""
+    such a model (the experts are a group of their own, never on the dense plan).
+    expert_shard_dim: 0, the engine's layout of the experts (dim 0, padded to the
+    factor), or 1 for torchtitan's Shard(1) (the baselines; ModelShape.expert_units)."""
     if compression is not None and not compression.enabled:
         compression = None
     if (model.experts is None) != (expert_plan is None):
@@ -419,7 +421,8 @@ def estimate_plan(
                           reshard_after_forward=reshard_after_forward,
                           reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                           clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel,
-                          compression=compression, expert_plan=expert_plan, ep=ep)
+                          compression=compression, expert_plan=expert_plan, ep=ep,
+                          expert_shard_dim=expert_shard_dim)
     shapes = model.unit_param_shapes(tp)
     event_args = dict(reshard_after_forward=reshard_after_forward, clip=clip,
                       reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
@@ -429,6 +432,7 @@ def estimate_plan(
     if p_gathers is not None:
         events = with_p_gathers(events, p_gathers)
     expert_args = dict(model=model, plan=plan, expert_plan=expert_plan, ep=ep,
+                       shard_dim=expert_shard_dim,
                        micro_batches=micro_batches, seq_len=seq_len, micro_batch=micro_batch,
                        dtype_bytes=DTYPE_BYTES[mixed_precision], **event_args)
     events += _expert_events(**expert_args, compression=compression)
@@ -446,8 +450,8 @@ def estimate_plan(
                          loss_parallel=loss_parallel, clip=clip)
     os_numel = shard_numel([sh for unit in shapes for sh in unit], plan.s_os)
     if expert_plan is not None:
-        os_numel += shard_numel([sh for unit in model.expert_units(ep) for sh in unit],
-                                expert_plan.s_os)
+        os_numel += shard_numel([sh for unit in model.expert_units(ep, expert_shard_dim)
+                                 for sh in unit], expert_plan.s_os)
     st = step_time(model, events, time_model, seq_len=seq_len, micro_batch=micro_batch,
                    micro_batches=micro_batches, os_numel=os_numel, compute=compute,
                    activation_checkpointing=activation_checkpointing,
@@ -474,7 +478,7 @@ def estimate_plan(
 
 
 def _expert_events(*, model: ModelShape, plan: ResolvedPlan, expert_plan, ep: int,
-                   micro_batches: int, seq_len: int, micro_batch: int, dtype_bytes: int,
+                   shard_dim: int, micro_batches: int, seq_len: int, micro_batch: int, dtype_bytes: int,
                    reshard_after_forward, clip: bool, reduce_dtype_bytes,
                    compression: Compression | None = None) -> list[PlannedComm]:
     """The routed experts' collectives on their plan (their units EP-local) and EP's token
@@ -485,7 +489,7 @@ def _expert_events(*, model: ModelShape, plan: ResolvedPlan, expert_plan, ep: in
     x = model.experts
     raf = reshard_after_forward if isinstance(reshard_after_forward, bool) else True
     return predicted_expert_events(
-        expert_plan, ep, plan.ranks_per_node, model.expert_units(ep), micro_batches,
+        expert_plan, ep, plan.ranks_per_node, model.expert_units(ep, shard_dim), micro_batches,
         dtype_bytes, raf, clip, reduce_dtype_bytes=reduce_dtype_bytes,
         compression=compression) + predicted_ep_events(
         ep, plan.ranks_per_node, model.moe_layers, seq_len * micro_batch, x.top_k, model.dim,
@@ -632,7 +636,8 @@ def choose_plan(
       plan over the expert world (W / ep ranks, sharding_plan.expert_parallel_world),
       chosen by alternating (_choose_pair); report.expert_candidates ranks the expert
       plans beside the chosen dense one. The baselines pair the same system for both
-      groups (ZeRO-3/FSDP: torchtitan's FSDP2 + EP, experts sharded over the expert world).
+      groups (ZeRO-3/FSDP: torchtitan's FSDP2 + EP, experts sharded over the expert world,
+      on dim 1 where torchtitan does; the plans are the engine's, dim 0, padded).
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
@@ -790,10 +795,14 @@ def _choose_plan(
     if include_baselines:
         # under TP the baselines shard the data-parallel world: FSDP2 + TP (ZeRO-3 over
         # W / tp ranks), HSDP + TP (shard over the node's R / tp DP ranks), ...
-        def experts_as(key):  # a baseline's experts: the same system over their world
+        def experts_as(key):  # a baseline's experts: the same system over their world,
+            # sharded as torchtitan shards them (Shard(1) where the factor x ep exceeds
+            # the experts)
             if expert_world is None:
                 return {}
-            return dict(expert_plan=BASELINES[key].resolve(*expert_world), ep=ep)
+            rp = BASELINES[key].resolve(*expert_world)
+            return dict(expert_plan=rp, ep=ep,
+                        expert_shard_dim=shape.titan_expert_shard_dim(rp, ep))
 
         for key, sp in BASELINES.items():
             rp = sp.resolve(world_size, ranks_per_node, tensor_parallel_degree=tp)
