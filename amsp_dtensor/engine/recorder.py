@@ -95,14 +95,16 @@ def emit(event: CommEvent) -> None:
 
 
 @contextlib.contextmanager
-def record_comms(recorder: CommRecorder | None = None) -> Iterator[CommRecorder]:
-    """``with record_comms() as rec: ...`` records every collective the engine issues, and
-    the model's own all-to-alls over a watched group (the Note on the model's
-    collectives: expert parallelism's token dispatch)."""
+def record_comms(recorder: CommRecorder | None = None,
+                 model_collectives: bool = False) -> Iterator[CommRecorder]:
+    """``with record_comms() as rec: ...`` records every collective the engine issues;
+    with ``model_collectives=True`` also the model's own all-to-alls over a watched group
+    (the Note on the model's collectives: expert parallelism's token dispatch)."""
     rec = recorder or CommRecorder()
     _active.append(rec)
     try:
-        with (_ModelCollectives(rec) if _watched else contextlib.nullcontext()):
+        watch = model_collectives and _watched
+        with (_ModelCollectives(rec) if watch else contextlib.nullcontext()):
             yield rec
     finally:
         _active.remove(rec)
@@ -117,9 +119,12 @@ def record_comms(recorder: CommRecorder | None = None) -> Iterator[CommRecorder]
 # every functional all-to-all and records those over a watched group as CommEvents of
 # that dim ("ep"), with the byte convention above (the input buffer) and phase "forward"
 # or "backward" (activation checkpointing's recomputation counts as backward, as the
-# bytes it moves do). They are untimed: the model waits for them, not the engine. The
-# mode is entered only while a watched group exists, so a dense job's recording runs
-# without it.
+# bytes it moves do). They are untimed: the model waits for them, not the engine.
+# Opt-in (``record_comms(model_collectives=True)``: the tests, the simulation): a dispatch
+# mode runs Python at every op of the step, and torch.compile compiles no frame under one
+# ("found no compiled frames ... non-infra torch dispatch mode present"), so the
+# recording a training job does every step for its metrics never enters it; nor does
+# any recording while no group is watched.
 _watched: dict[str, tuple[str, int, bool]] = {}
 
 

@@ -193,7 +193,7 @@ def simulate_moe_plan(args, plan_name: str, expert_name: str) -> dict:
         optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-4)
         M, b, s = args.micro_batches, args.micro_batch, args.seq_len
         measured = {}
-        with amsp.record_comms() as rec:
+        with amsp.record_comms(model_collectives=True) as rec:
             for m in range(M):
                 tokens = torch.randint(0, cfg.vocab_size, (b, s + 1))
                 ctx = amsp.no_sync(model) if m < M - 1 else contextlib.nullcontext()

@@ -126,7 +126,8 @@ def train_moe(model, optim, rank, world_size, steps, micro_batches=2, record_ste
     losses, norms = [], []
     for step in steps:
         batch = global_batches(step, world_size, micro_batches, model.cfg)
-        record = amsp.record_comms(recorder) if step == record_step else contextlib.nullcontext()
+        record = (amsp.record_comms(recorder, model_collectives=True) if step == record_step
+                  else contextlib.nullcontext())
         total = torch.zeros(1)
         with record:
             for micro, _, loss in micro_batch_backwards(model, batch, rank, world_size,
