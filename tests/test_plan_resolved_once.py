@@ -88,3 +88,23 @@ def test_fully_shard_reads_the_plan_from_the_mesh(fake_four_ranks, resolutions):
     assert str(refused.value).startswith(
         "plan p1-g1-os4 does not match the mesh, which was built for p2-g2-os4")
     assert "\n" not in str(refused.value)
+
+
+def test_the_expert_plan_is_resolved_once_too(monkeypatch, fake_four_ranks, resolutions):
+    """With experts (deepseek_v3, ep 2): the check before start-up resolves the dense and
+    the expert plan, once each; job_expert_plan then hands out that same expert plan."""
+    from amsp_dtensor import train
+    from amsp_dtensor.titan.validate import job_expert_plan, job_plan
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    job_config, _ = train.read_job_config([
+        "--job.config_file", str(RECIPE), "--model.name", "deepseek_v3_amsp",
+        "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2",
+        "--amsp.expert_optim_shard", "2"])
+    plan = train.check_amsp(job_config)
+    assert len(resolutions) == 2, resolutions  # the dense plan, the expert plan
+    expert = job_expert_plan(job_config)
+    assert job_plan(job_config) is plan and expert.name == "p2-g2-os2"  # "dp": 4 / ep 2
+    assert job_expert_plan(job_config) is expert and len(resolutions) == 2, resolutions

@@ -606,7 +606,8 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     check_split_backward(job_config.parallelism, plan)
     reshard_after_forward_of(job_config, plan)
     compression_of(cfg)
-    resolve_expert_plan(job_config, plan)  # checked now; job_expert_plan keeps it
+    # checked now, and kept for job_expert_plan (resolved once, as the dense plan)
+    setattr(cfg, _KEPT_EXPERT, (plan, resolve_expert_plan(job_config, plan)))
     return plan
 
 
