@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from amsp_dtensor.plan.cost.models import MODELS, from_torchtitan_args
+from amsp_dtensor.plan.cost.models import MODELS, from_named_shapes, from_torchtitan_args
 
 TITAN = {  # our name: (torchtitan model, flavor)
     "deepseek_v3_debugmodel": ("deepseek_v3", "debugmodel"),
@@ -59,6 +59,36 @@ def test_moe_shapes_are_torchtitans(titan, name):
     root = {n: tuple(p.shape) for n, p in module.named_parameters() if id(p) not in in_blocks}
     assert root == {p.name: p.shape for p in shape.root_params()}
     assert shape.num_params == sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(TITAN))
+def test_shapes_read_off_the_parameters_are_the_same(titan, name):
+    """from_named_shapes (what the torchtitan 0.3 path reads, its names differing) gives
+    the same ModelShape from the built model's parameters alone."""
+    module, args = _built(titan, *TITAN[name])
+    blocks = [{n: tuple(p.shape) for n, p in block.named_parameters()}
+              for block in module.layers.values()]
+    in_blocks = {id(p) for p in module.layers.parameters()}
+    root = {n: tuple(p.shape) for n, p in module.named_parameters() if id(p) not in in_blocks}
+    moe = getattr(args, "moe_args", None)
+    got = from_named_shapes(name, dim=args.dim, n_heads=args.n_heads, blocks=blocks, root=root,
+                            top_k=moe.top_k if moe is not None else None)
+    want = MODELS[name]
+    if want.experts.n_dense_layers == 0:  # no dense FFN: its hidden size is in no parameter
+        got = dataclasses.replace(got, ffn_hidden=want.ffn_hidden)
+    assert dataclasses.replace(got, notes=want.notes) == want
+
+
+def test_a_model_the_cost_model_cannot_read_is_refused():
+    blocks = [{"attention.wq.weight": (64, 64), "attention.wk.weight": (64, 64),
+               "attention.wv.weight": (64, 64), "attention.wo.weight": (64, 64),
+               "feed_forward.w1.weight": (128, 64), "feed_forward.w2.weight": (64, 128),
+               "feed_forward.w3.weight": (128, 64), "attention_norm.weight": (64,),
+               "ffn_norm.weight": (64,), "adapter.weight": (8, 64)}]
+    root = {"tok_embeddings.weight": (100, 64), "norm.weight": (64,),
+            "output.weight": (100, 64)}
+    with pytest.raises(ValueError, match="block 0's parameters .* cannot plan this model"):
+        from_named_shapes("odd", dim=64, n_heads=4, top_k=None, blocks=blocks, root=root)
 
 
 def test_published_sizes():

@@ -36,6 +36,7 @@ __all__ = [
     "get_model",
     "llama3_ffn_hidden",
     "from_torchtitan_args",
+    "from_named_shapes",
     "TP_SHARD_DIM",
     "tp_chunk",
 ]
@@ -450,6 +451,78 @@ def from_torchtitan_args(name: str, args) -> ModelShape:
         vocab_size=args.vocab_size,
         ffn_hidden=llama3_ffn_hidden(args.dim, args.multiple_of, args.ffn_dim_multiplier),
     )
+
+
+def from_named_shapes(name: str, *, dim: int, n_heads: int, top_k: int | None,
+                      blocks: list[dict[str, tuple]], root: dict[str, tuple]) -> ModelShape:
+    """A ModelShape read off a built model's parameters, for models whose config the cost
+    model cannot read (torchtitan 0.3's): ``blocks`` maps each block's parameter names
+    (relative to the block) to shapes, ``root`` the rest. Recognised by name: latent
+    attention (``wkv_a``), q/k norms with plain ``wq``, the dense FFN (``feed_forward.w1``),
+    the router, routed experts (3-D, ``experts`` in the name), shared experts
+    (``shared_experts.w1``); ``top_k`` is the router's (None for a dense model). The
+    result's parameters are compared with the given ones, shape by shape per block; a
+    model that does not match is refused (ValueError) rather than costed wrong."""
+    first, last = blocks[0], blocks[-1]
+
+    def find(block, *parts, ndim=None):
+        for key, shape in block.items():
+            if all(p in key for p in parts) and (ndim is None or len(shape) == ndim):
+                return key, shape
+        return None, None
+
+    def first_with(*parts, ndim=None):
+        for block in blocks:
+            key, shape = find(block, *parts, ndim=ndim)
+            if key is not None:
+                return shape
+        return None
+
+    mla = None
+    _, wkv_a = find(first, "wkv_a")
+    if wkv_a is not None:
+        _, kv_norm = find(first, "kv_norm")
+        _, wkv_b = find(first, "wkv_b")
+        _, wo = find(first, "attention.wo")
+        _, wq_a = find(first, "wq_a")
+        v = wo[1] // n_heads
+        nope = wkv_b[0] // n_heads - v
+        mla = MLA(wq_a[0] if wq_a is not None else 0, kv_norm[0], nope,
+                  wkv_a[0] - kv_norm[0], v)
+        head_dim, kv_heads, qk_norm = None, None, False
+    else:
+        _, wq = find(first, "attention.wq")
+        _, wk = find(first, "attention.wk")
+        head_dim = wq[0] // n_heads
+        kv_heads = wk[0] // head_dim
+        qk_norm = find(first, "q_norm")[0] is not None
+        head_dim = head_dim if head_dim * n_heads != dim else None
+    dense_w1 = first_with("feed_forward", "w1")
+    routed = first_with("experts", "w1", ndim=3)
+    experts = None
+    if routed is not None:
+        if top_k is None:
+            raise ValueError(f"model {name}: routed experts but no router top_k given")
+        shared = first_with("shared_experts", "w1")
+        n_dense = next(i for i, b in enumerate(blocks) if find(b, "experts", ndim=3)[0])
+        experts = Experts(routed[0], top_k, routed[1],
+                          shared[0] // routed[1] if shared is not None else 0, n_dense)
+    vocab = max(shape[0] for shape in root.values())
+    shape = ModelShape(name, dim, len(blocks), n_heads, vocab,
+                       dense_w1[0] if dense_w1 is not None else routed[1], kv_heads,
+                       explicit_head_dim=head_dim, qk_norm=qk_norm, mla=mla,
+                       experts=experts, notes="read off the model's parameters")
+    for layer, block in enumerate(blocks):
+        want = sorted(p.shape for p in shape.block_params(layer=layer))
+        if shape.is_moe_layer(layer):
+            want = sorted(want + [p.shape for p in shape.expert_params()])
+        if sorted(block.values()) != want:
+            raise ValueError(f"model {name}: block {layer}'s parameters {sorted(block.values())} "
+                             f"are not the cost model's {want}; it cannot plan this model")
+    if sorted(root.values()) != sorted(p.shape for p in shape.root_params()):
+        raise ValueError(f"model {name}: the parameters outside the blocks "
+                         f"{sorted(root.values())} are not embeddings, norm and output head")
+    return shape
 
 
 def _llama3(name, dim, n_layers, n_heads, n_kv_heads=None, vocab=128256, multiple_of=256, mult=None):
