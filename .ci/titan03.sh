@@ -2,7 +2,7 @@
 # Check this checkout on torchtitan 0.3, in a venv of its own (torchtitan 0.2.2 and 0.3
 # cannot share one; the main venv keeps 0.2.2):
 #
-#   .ci/titan03.sh [--install-only | --subset]
+#   .ci/titan03.sh [--install-only | --subset | --moe]
 #
 # builds (or reuses) a venv (TITAN03_VENV, default /tmp/venv-titan03-<checksum of this
 # checkout's path>) that sees the outer Python's packages, with torch 2.13.0 (the outer one
@@ -11,7 +11,7 @@
 #   1. tests/test_titan03.py: AMSP against torchtitan 0.3's own FSDP2 and FSDP2 + TP (20
 #      steps, loss within 1e-4 at every step), a 4-rank checkpoint resumed on 2 ranks
 #      under another plan, the TensorBoard scalars, plan = "auto", per-block compile, the
-#      TOML mapping and the bad-input refusals;
+#      TOML mapping and the bad-input refusals, and the MoE parity (as --moe);
 #   2. the README's main job (recipes/debug_cpu.toml, 4 ranks, 20 steps) on 0.3, printing
 #      its loss at steps 1, 10 and 20;
 #   3. torchtitan 0.3's own llama3 debug model (its config registry entry, its own
@@ -20,6 +20,12 @@
 # --subset runs only the part of (1) that the main suite runs through
 # tests/test_titan03_venv.py: AMSP (2, 2, 2) x tp 2 against torchtitan 0.3's FSDP2 + TP at 5
 # steps, the TOML mapping, one refusal, the plan resolved once.
+# --moe runs only the MoE parity of (1): AMSP against torchtitan 0.3's own FSDP2 + EP 2,
+# deepseek_v3 debugmodel on 4 CPU ranks from the same weights, 3 (dense plan, expert plan)
+# pairs, 10 steps, every step's loss within 1e-5 (printed per step in
+# $venv/logs/test_titan03_moe.txt; about 5 minutes); TITAN03_MOE_MODELS=deepseek_v3,qwen3
+# adds qwen3 debugmodel_moe (about 10 minutes a pair; within 1e-5 to step 6, beyond it from
+# step 7: docs/moe.md), TITAN03_MOE_PAIRS=<names> picks pairs, TITAN03_MOE_STEPS the steps.
 # Exit 0 when all pass. Wall time on 2 CPU cores: see docs/torchtitan.md ("torchtitan 0.3").
 set -uo pipefail
 
@@ -48,6 +54,14 @@ cd "$repo"
 if [ "$mode" = "--subset" ]; then
   TITAN03_STEPS=5 pytest_tally "$py" "$log/test_titan03.txt" "test_titan03 (subset)" \
     tests/test_titan03.py -k "$SUBSET" || status=1
+  echo "logs in $log"
+  exit "$status"
+fi
+
+if [ "$mode" = "--moe" ]; then
+  pytest_tally "$py" "$log/test_titan03_moe.txt" "test_titan03 (MoE parity)" -s \
+    tests/test_titan03.py -k moe_loss_matches || status=1
+  grep -E "^(deepseek_v3|qwen3) |^ +[0-9]+  " "$log/test_titan03_moe.txt"
   echo "logs in $log"
   exit "$status"
 fi

@@ -41,7 +41,7 @@ from .dataloader import reshardable_dataloader_fn
 from .metrics import build_amsp_metrics_processor
 from .optimizer import PIPELINE_STAGE_OF, build_amsp_optimizers
 from .parallelize import _blocks, amsp_parallelize_fn, is_amsp_parallelize_fn, tp_apply_fn
-from .validate import experts_configured
+from .validate import check_model_experts
 
 SUFFIX = "_amsp"
 EAGER_BASES = ("llama3", "qwen3")  # torchtitan's dense decoder LLMs (0.2.2)
@@ -221,23 +221,6 @@ def check_model(job_config) -> None:
         model = spec.model_cls(args)
     moe = _moe_modules(model)
     _blocks(model)  # one unit per transformer block, found in model.layers
-    ep = job_config.parallelism.expert_parallel_degree
-    where = f"{name} {flavor}"
-    if not moe:
-        if ep != 1:
-            raise AmspConfigError(
-                f"parallelism.expert_parallel_degree={ep}: {where} has no MoE layers; set it "
-                "to 1")
-        configured = experts_configured(job_config.amsp)
-        if configured:
-            key = configured[0]
-            raise AmspConfigError(
-                f"amsp.{key}={getattr(job_config.amsp, key)!r}: {where} has no MoE layers; "
-                "remove the [amsp] expert_* factors (they shard routed experts)")
-        return
-    n_experts = {getattr(getattr(m, "experts", None), "num_experts", None) for m in moe}
-    bad = sorted(n for n in n_experts if n is not None and n % ep)
-    if bad:
-        raise AmspConfigError(
-            f"parallelism.expert_parallel_degree={ep}: {where} has {bad[0]} experts per MoE "
-            f"layer, which {ep} ranks cannot split evenly; use a divisor of {bad[0]}")
+    check_model_experts(job_config, f"{name} {flavor}",
+                        [getattr(getattr(m, "experts", None), "num_experts", None)
+                         for m in moe])

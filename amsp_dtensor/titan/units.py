@@ -155,9 +155,15 @@ def plan_mesh(amsp, plan, tp: int, pp: int, ranks_per_node: int, ep: int = 1,
 
 
 def routed_experts(block: nn.Module) -> nn.Module | None:
-    """A transformer block's routed experts (torchtitan's ``block.moe.experts``), or None
-    for a dense block."""
-    experts = getattr(getattr(block, "moe", None), "experts", None)
+    """A transformer block's routed experts, the module holding their weights, or None
+    for a dense block: torchtitan 0.2.2's ``block.moe.experts``, 0.3's grouped-GEMM
+    ``block.moe.routed_experts.inner_experts`` (the module 0.3's apply_fsdp_to_decoder
+    puts on its expert mesh; ``routed_experts`` around it holds only the token
+    dispatcher)."""
+    moe = getattr(block, "moe", None)
+    experts = getattr(moe, "experts", None)
+    if experts is None:  # torchtitan 0.3
+        experts = getattr(getattr(moe, "routed_experts", None), "inner_experts", None)
     return experts if isinstance(experts, nn.Module) else None
 
 

@@ -477,6 +477,32 @@ def experts_configured(cfg: Amsp) -> list[str]:
     return [key for key in EXPERT_KEYS if not _is_from_dp(getattr(cfg, key))]
 
 
+def check_model_experts(job_config, where: str, experts_per_layer: list) -> None:
+    """[parallelism] expert_parallel_degree and the [amsp] expert keys against the model
+    ``where`` ("<model name> <flavor>"), whose MoE layers have ``experts_per_layer``
+    routed experts each (empty: a dense model; None where a layer does not say): refused
+    on a dense model, and an EP degree that does not divide a layer's experts. One code
+    for both torchtitans (0.2.2's specs.check_model, 0.3's v03.trainer.check_job)."""
+    ep = job_config.parallelism.expert_parallel_degree
+    if not experts_per_layer:
+        if ep != 1:
+            raise AmspConfigError(
+                f"parallelism.expert_parallel_degree={ep}: {where} has no MoE layers; set it "
+                "to 1")
+        configured = experts_configured(job_config.amsp)
+        if configured:
+            key = configured[0]
+            raise AmspConfigError(
+                f"amsp.{key}={getattr(job_config.amsp, key)!r}: {where} has no MoE layers; "
+                "remove the [amsp] expert_* factors (they shard routed experts)")
+        return
+    bad = sorted(n for n in set(experts_per_layer) if n is not None and n % ep)
+    if bad:
+        raise AmspConfigError(
+            f"parallelism.expert_parallel_degree={ep}: {where} has {bad[0]} experts per MoE "
+            f"layer, which {ep} ranks cannot split evenly; use a divisor of {bad[0]}")
+
+
 def resolve_expert_plan(job_config, plan: ResolvedPlan) -> ResolvedPlan | None:
     """The experts' plan beside the dense ``plan`` (resolved over the same data-parallel
     world), over the expert world (the data-parallel world / expert_parallel_degree);

@@ -77,6 +77,7 @@ def _entry(module: str, name: str):
 
 _LLAMA3 = "torchtitan.models.llama3.config_registry"
 _QWEN3 = "torchtitan.models.qwen3.config_registry"
+_DEEPSEEK_V3 = "torchtitan.models.deepseek_v3.config_registry"
 
 llama3_debugmodel_amsp = _entry(_LLAMA3, "llama3_debugmodel")
 llama3_8b_amsp = _entry(_LLAMA3, "llama3_8b")
@@ -85,6 +86,11 @@ qwen3_debugmodel_amsp = _entry(_QWEN3, "qwen3_debugmodel")
 qwen3_0_6b_amsp = _entry(_QWEN3, "qwen3_0_6b")
 qwen3_1_7b_amsp = _entry(_QWEN3, "qwen3_1_7b")
 qwen3_14b_amsp = _entry(_QWEN3, "qwen3_14b")
+# MoE (the experts' plan: the [amsp] expert_* keys; EP: parallelism.expert_parallel_degree)
+qwen3_moe_debug_amsp = _entry(_QWEN3, "qwen3_moe_debug")
+qwen3_30b_a3b_amsp = _entry(_QWEN3, "qwen3_30b_a3b")
+deepseek_v3_debugmodel_amsp = _entry(_DEEPSEEK_V3, "deepseek_v3_debugmodel")
 
 ENTRIES = ("llama3_debugmodel_amsp", "llama3_8b_amsp", "llama3_70b_amsp",
-           "qwen3_debugmodel_amsp", "qwen3_0_6b_amsp", "qwen3_1_7b_amsp", "qwen3_14b_amsp")
+           "qwen3_debugmodel_amsp", "qwen3_0_6b_amsp", "qwen3_1_7b_amsp", "qwen3_14b_amsp",
+           "qwen3_moe_debug_amsp", "qwen3_30b_a3b_amsp", "deepseek_v3_debugmodel_amsp")

@@ -27,8 +27,9 @@ from ..cpu_compat import (  # the shims 0.3 needs exactly as 0.2.2 did
 
 _applied = False
 
-# Modules that import triton at import time, all of them GPU kernels of features a dense
-# model on CPU never calls (expert-parallel dispatch, fused MLA / SwiGLU overrides).
+# Modules that import triton at import time, all of them GPU kernels of features a run on
+# CPU never calls (the minimal_async_ep comm backend, fused MLA / SwiGLU overrides; the
+# "standard" expert-parallel all-to-all dispatch runs on CPU without them).
 TRITON_KERNEL_MODULES = (
     "torchtitan.distributed.minimal_async_ep.kernels",
 )
@@ -56,7 +57,7 @@ def apply() -> bool:
 #     moe -> token_dispatcher -> distributed/minimal_async_ep imports its triton kernels:
 #       ModuleNotFoundError: No module named 'triton'
 #     (0.2.2 had the same in models/moe/kernels.py.) A stub module answers every name
-#     with a function that fails loudly if expert-parallel dispatch ever runs on CPU.
+#     with a function that fails loudly if one of those kernels is ever called on CPU.
 def _stub_triton_kernels() -> None:
     try:
         import triton  # noqa: F401
@@ -74,8 +75,8 @@ def _stub_triton_kernels() -> None:
                 raise AttributeError(attr)
 
             def _needs_triton(*args, **kwargs):
-                raise RuntimeError(f"{_module}.{attr} is a triton (GPU) kernel; amsp_dtensor's "
-                                   "CPU shims cover dense models only")
+                raise RuntimeError(f"{_module}.{attr} is a triton (GPU) kernel; on CPU use "
+                                   "torchtitan's standard MoE comm backend")
 
             return _needs_triton
 

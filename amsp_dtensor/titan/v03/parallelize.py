@@ -7,9 +7,21 @@ swapped for the AMSP units.
 ``amsp_model_spec(spec)`` is the same ModelSpec with ``parallelize_amsp``; the AMSP
 trainer binds the job's resolved plan and ``[amsp]`` section to it before torchtitan
 calls it (``bind``), so the plan is resolved once, before any process group, and every
-unit reads it from the mesh. The order is parallelize_llama's: tensor parallelism (the
-model's own ``parallelize``), activation checkpointing, per-block compile, then the AMSP
-units (``units.shard_units``) in place of apply_fsdp_to_decoder.
+unit reads it from the mesh. The order is parallelize_llama's: tensor and expert
+parallelism (the model's own ``parallelize``), activation checkpointing, per-block
+compile, then the AMSP units (``units.shard_units``) in place of apply_fsdp_to_decoder.
+
+MoE models (deepseek_v3, qwen3's MoE flavors): expert parallelism is torchtitan 0.3's
+own, as parallelize_deepseekv3 / parallelize_qwen3 apply it: ``model.parallelize``
+distributes each MoE layer's grouped experts Shard(0) over the "ep" mesh and wires the
+token dispatcher's all-to-all to it; here that "ep" mesh is the AMSP expert mesh's "ep"
+dimension (``_AmspMeshDims``; the same ranks as torchtitan's, ep innermost). The routed
+experts (``moe.routed_experts.inner_experts``) are then a unit of their own on the expert
+mesh with the expert plan, where torchtitan puts them on its efsdp mesh; the router,
+the shared experts, the expert bias and the dense first layers stay in their block's
+unit, as in torchtitan's per-block fully_shard. The expert-bias load balancing is
+torchtitan's own ``register_moe_load_balancing_hook`` (the ModelSpec's
+post_optimizer_build_fn, kept by ``amsp_model_spec``), registered on the AMSP optimizers.
 """
 
 from __future__ import annotations
@@ -20,15 +32,17 @@ import functools
 import torch.nn as nn
 
 from ..config import AmspConfigError
-from ..units import _blocks, compile_blocks, log_applied, mixed_precision, plan_mesh, shard_units
+from ..units import (_blocks, compile_blocks, log_applied, mixed_precision, plan_mesh,
+                     routed_experts, shard_units)
 from ..validate import compression_of, job_ranks_per_node, reshard_after_forward_of
 from ..weights import init_full_model
 
 
 def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, compile_config,
-                     ac_config, dump_folder: str, plan=None, job=None):
+                     ac_config, dump_folder: str, plan=None, job=None, expert_plan=None):
     """``plan``: the job's ResolvedPlan; ``job``: the job as ``titan.validate`` reads it
-    (v03.job.job_view). Both are bound by the AMSP trainer (``bind``)."""
+    (v03.job.job_view); ``expert_plan``: the experts' ResolvedPlan, None when the experts
+    belong to their blocks. All are bound by the AMSP trainer (``bind``)."""
     import amsp_dtensor as amsp
 
     if plan is None or job is None:
@@ -36,50 +50,74 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
             "parallelize_amsp: no AMSP plan bound; build the job with the AMSP trainer "
             "(amsp_dtensor.titan.v03.AmspTrainer.Config, e.g. the *_amsp config registry "
             "entries, or python -m amsp_dtensor.train)")
-    _blocks(model)  # one unit per transformer block, in model.layers
-    tp, pp = parallel_dims.tp, parallel_dims.pp  # pp is 1: v03.trainer.check_job
-    mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job))
+    blocks = _blocks(model)  # one unit per transformer block, in model.layers
+    tp, pp, ep = parallel_dims.tp, parallel_dims.pp, parallel_dims.ep  # pp is 1: check_job
+    if expert_plan is not None and not any(map(routed_experts, blocks)):
+        # check_job refuses this before start-up from the model's config; here in case a
+        # model builds its MoE layers some other way
+        raise AmspConfigError(
+            f"parallelism.expert_parallel_degree={ep} / [amsp] expert_*: "
+            f"{type(model).__name__} has no routed experts in model.layers[*].moe; set it "
+            "to 1 and remove them")
+    mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job), ep, expert_plan)
     full_init = job.amsp.init_full_model
-    if tp > 1:
-        # TP first, on the plain model (its sharding configs name the module paths), as
-        # parallelize_llama; with full init the weights are made whole first, so each tp
-        # rank keeps its chunk of one initialisation.
+    if tp > 1 or ep > 1:
+        # TP and EP first, on the plain model (its sharding configs name the module paths),
+        # as parallelize_llama / parallelize_deepseekv3; with full init the weights are made
+        # whole first, so each tp (ep) rank keeps its chunk of one initialisation.
         if full_init:
             init_full_model(model, job)
-        model.parallelize(_TensorParallelDims(parallel_dims, mesh["tp"]))
+        swaps = {}
+        if tp > 1:
+            swaps["tp"] = mesh["tp"]
+        if ep > 1:
+            swaps["ep"] = amsp.expert_mesh(mesh)["ep"]
+        model.parallelize(_AmspMeshDims(parallel_dims, swaps))
     compile_model = compile_config.enable and "model" in compile_config.components
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_model:
         compile_blocks(model, compile_config)
-    if full_init and tp == 1:
+    if full_init and tp == 1 and ep == 1:
         # Same seed, whole model, every rank: every plan starts from identical weights.
         init_full_model(model, job)
     raf, raf_last = reshard_after_forward_of(job, plan)
     compression = shard_units(model, mesh, mixed_precision(training), raf, raf_last,
-                              compression_of(job.amsp), keep=full_init)
-    log_applied(plan, tp, pp, compression)
+                              compression_of(job.amsp), keep=full_init,
+                              experts=expert_plan is not None)
+    log_applied(plan, tp, pp, compression, expert_plan, ep)
     return model
 
 
-class _TensorParallelDims:
-    """torchtitan's ParallelDims with its "tp" mesh replaced by the AMSP mesh's tp
-    dimension (the same ranks: both put tp innermost), so the model's own TP plan and the
-    AMSP units share one tp process group."""
+class _AmspMeshDims:
+    """torchtitan's ParallelDims with its one-dimensional "tp" and "ep" meshes replaced by
+    the AMSP mesh's tp dimension and the AMSP expert mesh's ep dimension (the same ranks:
+    both put tp, and ep inside the expert data-parallel ranks, innermost), so the model's
+    own TP plan, its expert parallelism and the AMSP units share one process group per
+    dimension. Under 0.3's partial_dtensor backend every mesh the model's sharding configs
+    resolve is one of these two (``ParallelDims.resolve_mesh`` keeps only tp and ep)."""
 
-    def __init__(self, parallel_dims, tp_mesh):
-        self._dims, self._tp_mesh = parallel_dims, tp_mesh
+    def __init__(self, parallel_dims, meshes: dict):
+        self._dims, self._meshes = parallel_dims, meshes
 
     def _swap(self, mesh):
-        if mesh is not None and tuple(mesh.mesh_dim_names or ()) == ("tp",):
-            return self._tp_mesh
+        if mesh is None:
+            return None
+        names = tuple(mesh.mesh_dim_names or ())
+        if len(names) == 1 and names[0] in self._meshes:
+            return self._meshes[names[0]]
+        if set(names) & set(self._meshes):
+            raise AmspConfigError(
+                f"parallelism: the model asked for torchtitan's {'x'.join(names)} mesh, which "
+                "AMSP does not build (it composes tensor and expert parallelism one at a "
+                "time); set tensor_parallel_degree or expert_parallel_degree to 1")
         return mesh
 
     def get_mesh(self, names):
         return self._swap(self._dims.get_mesh(names))
 
-    def get_optional_mesh(self, names):
-        return self._swap(self._dims.get_optional_mesh(names))
+    def get_optional_mesh(self, names, *args, **kwargs):
+        return self._swap(self._dims.get_optional_mesh(names, *args, **kwargs))
 
     def resolve_mesh(self, axes):
         return self._swap(self._dims.resolve_mesh(axes))
@@ -106,7 +144,8 @@ def amsp_model_spec(spec):
                                pipelining_fn=None)
 
 
-def bind(spec, plan, job):
-    """The ModelSpec with ``plan`` and ``job`` bound to its parallelize_amsp."""
+def bind(spec, plan, job, expert_plan=None):
+    """The ModelSpec with ``plan``, ``job`` and ``expert_plan`` bound to its
+    parallelize_amsp."""
     return dataclasses.replace(spec, parallelize_fn=functools.partial(
-        parallelize_amsp, plan=plan, job=job))
+        parallelize_amsp, plan=plan, job=job, expert_plan=expert_plan))

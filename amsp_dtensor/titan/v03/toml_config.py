@@ -11,8 +11,9 @@ accepted only with the value that means nothing there (``job.custom_config_modul
 ``job.description``, a label).
 
 What maps to what (0.2.2 TOML -> 0.3 Trainer.Config):
-  [model] name            "llama3_amsp" / "qwen3_amsp": torchtitan's model_registry(flavor)
-                          as AMSP's ModelSpec; "llama3" / "qwen3": torchtitan's own FSDP2/TP
+  [model] name            "llama3_amsp" / "qwen3_amsp" / "deepseek_v3_amsp": torchtitan's
+                          model_registry(flavor) as AMSP's ModelSpec; "llama3" / "qwen3" /
+                          "deepseek_v3": torchtitan's own FSDP2 (+ TP, + EP)
   [model] flavor          model_registry's flavor; hf_assets_path -> hf_assets_path
   [optimizer]             name, lr, beta1, beta2, eps, weight_decay -> one param group ".*"
                           (optimizer_kwargs); implementation -> optimizer.implementation
@@ -69,7 +70,8 @@ SAME_NAME_SECTIONS = {  # TOML section -> attribute of Trainer.Config holding th
     "compile": "compile", "checkpoint": "checkpoint", "debug": "debug", "comm": "comm",
     "training": "training",
 }
-MODELS = {"llama3": "torchtitan.models.llama3", "qwen3": "torchtitan.models.qwen3"}
+MODELS = {"llama3": "torchtitan.models.llama3", "qwen3": "torchtitan.models.qwen3",
+          "deepseek_v3": "torchtitan.models.deepseek_v3"}
 OPTIMIZER_DEFAULTS = {"name": "AdamW", "lr": 8e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
                       "weight_decay": 0.1, "implementation": "fused"}  # 0.2.2's defaults
 

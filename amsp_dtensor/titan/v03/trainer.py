@@ -17,6 +17,7 @@ Trainer (the baseline of the equivalence tests), optionally initialised like one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.components.metrics import MetricsProcessor
@@ -32,7 +33,7 @@ from ..rng import STATE_KEY as RNG_KEY
 from ..rng import RngState
 from ..steps import AmspSteps
 from ..units import amsp_plan_of
-from ..validate import experts_configured, job_plan
+from ..validate import check_model_experts, job_expert_plan, job_plan
 from ..weights import reinit_like_single_process
 from .dataloader import amsp_dataloader_config
 from .job import job_view
@@ -57,25 +58,15 @@ def check_job(config) -> None:
             "loss=ChunkedLossWrapper: it runs the lm_head chunk by chunk outside the model's "
             "forward, each chunk with its own backward, which AMSP's [norm, lm_head] unit "
             "does not schedule; use CrossEntropyLoss (the *_amsp config entries do)")
-    from torchtitan.models.common.moe import MoE
-
-    moe = list(config.model_spec.model.traverse(MoE.Config))
-    if moe:
-        raise AmspConfigError(
-            f"model: {config.model_spec.name} {config.model_spec.flavor} has {len(moe)} MoE "
-            "layers, and AMSP on torchtitan 0.3 does not shard MoE experts (not ported from "
-            "0.2.2 yet); use a dense flavor")
+    check_experts(config)
     ep = config.parallelism.expert_parallel_degree
-    if ep != 1:
+    if ep > 1 and config.compile.enable and "model" in config.compile.components:
         raise AmspConfigError(
-            f"parallelism.expert_parallel_degree={ep}: AMSP on torchtitan 0.3 runs without "
-            "expert parallelism (not ported from 0.2.2 yet); set it to 1")
-    configured = experts_configured(config.amsp) if hasattr(config, "amsp") else []
-    if configured:
-        key = configured[0]
-        raise AmspConfigError(
-            f"amsp.{key}={getattr(config.amsp, key)!r}: AMSP on torchtitan 0.3 has no expert "
-            "plan (MoE is not ported from 0.2.2 yet); remove the [amsp] expert_* factors")
+            f"compile.enable=True with parallelism.expert_parallel_degree={ep}: AMSP records "
+            "expert parallelism's token all-to-alls with a torch dispatch mode around the "
+            "step (engine/recorder.py), under which torch.compile compiles no frame "
+            "(dynamo: \"non-infra torch dispatch mode present\"); set compile.enable = "
+            "false, or expert_parallel_degree = 1")
     if not config.training.disable_cuda_graphs:
         raise AmspConfigError(
             "training.disable_cuda_graphs=False: AMSP allocates and frees its gradient "
@@ -95,6 +86,28 @@ def check_job(config) -> None:
             "\"partial_dtensor\"")
 
 
+def check_experts(config) -> None:
+    """[parallelism] expert_parallel_degree and the [amsp] expert keys against the
+    config's model, as 0.2.2 refuses them (``titan.validate.check_model_experts``): on a
+    model without MoE layers, or an EP degree that does not divide its experts. Read off
+    the model's config (its MoE layer configs), before anything is built. The rest (the
+    expert factors against the expert world, ep beside tp, plan = "auto" with experts) is
+    ``job_plan``'s, shared with 0.2.2."""
+    from torchtitan.models.common.moe import MoE
+
+    spec = config.model_spec
+    experts = [_experts_of(moe) for _, moe, _, _ in spec.model.traverse(MoE.Config)]
+    job = config if hasattr(config, "amsp") else SimpleNamespace(
+        parallelism=config.parallelism, amsp=Amsp())
+    check_model_experts(job, f"{spec.name} {spec.flavor}", experts)
+
+
+def _experts_of(moe_config) -> int | None:
+    """The routed experts of one MoE layer config (its grouped experts' count)."""
+    inner = getattr(getattr(moe_config, "routed_experts", None), "inner_experts", None)
+    return getattr(inner, "num_experts", None) or getattr(moe_config, "num_experts", None)
+
+
 def prepare(config):
     """Resolve the plan (once) and make ``config``'s components AMSP's; returns the plan.
     No-op (None) for a ModelSpec that is not AMSP's."""
@@ -103,7 +116,8 @@ def prepare(config):
     check_job(config)
     job = job_view(config)
     plan = job_plan(job)  # validates [amsp] and [parallelism]; kept on config.amsp
-    config.model_spec = bind(config.model_spec, plan, job)
+    expert_plan = job_expert_plan(job)  # None when the experts belong to their blocks
+    config.model_spec = bind(config.model_spec, plan, job, expert_plan)
     if type(config.optimizer) is OptimizersContainer.Config:
         config.optimizer = amsp_optimizer_config(config.optimizer)
     elif not isinstance(config.optimizer, AmspOptimizersContainer.Config):
