@@ -332,7 +332,8 @@ def render_experts(report: PlanReport, top: int) -> str:
             for g, b in sorted(groups.items())) + " (ep: EP's token all-to-alls)",
         f"EP's all-to-alls take {best.step.ep_comm_seconds * 1e3:.1f} ms of the chosen step, on "
         "the critical path of each MoE block.",
-        f"torchtitan's own layout (FSDP2 + EP): {report.baselines['zero3'].pair_name}, "
+        f"torchtitan's own layout (FSDP2 + EP, experts on dim 1 where torchtitan shards them "
+        f"so): {report.baselines['zero3'].pair_name}, "
         f"{report.baselines['zero3'].step_seconds * 1e3:.1f} ms/step, "
         f"{report.baselines['zero3'].memory.total / GiB:.2f} GiB/GPU"
         if "zero3" in report.baselines else "",
