@@ -18,6 +18,7 @@ from amsp_dtensor.plan import ShardingPlan, expert_parallel_world
 from amsp_dtensor.plan.cost.comm import (event_counter, predicted_ep_events,
                                          predicted_events, predicted_expert_events)
 from amsp_dtensor.testing.scenarios import MICRO_BATCH, SEQ_LEN
+from amsp_dtensor.plan.cost.memory import state_bytes_of_rank
 from amsp_dtensor.testing.moe import moe_unit_shapes, reference_training
 from amsp_dtensor.testing.multiproc import run_cases
 from amsp_dtensor.testing.tiny_moe import TinyMoE, TinyMoEConfig
@@ -87,9 +88,10 @@ def _groups() -> dict[str, list[tuple[int, int]]]:
 def test_bytes_per_group(world, ep, dense, expert):
     """fp32 params and AdamW: per rank, P = 4/s_p, G (a no_sync micro-batch's partial
     sum) = 4/s_g and OS = 8/s_os bytes per element of the group's tensors this rank's
-    model holds (the experts: 1/ep of them), plus at most one padding row per tensor;
-    one copy of the OS is spread exactly over the ranks of one shard group (dense: ranks
-    0 .. s_os - 1; experts: s_os expert-world ranks x ep)."""
+    model holds (the experts: 1/ep of them), plus at most one padding row per tensor,
+    and exactly the formula for the rank's own chunks; one copy of the OS is spread
+    exactly over the ranks of one shard group (dense: ranks 0 .. s_os - 1; experts: s_os
+    expert-world ranks x ep)."""
     case = world.get(("pair", ep, dense, expert))
     shapes = _groups()
     shapes["expert"] = [(rows // ep, cols) for rows, cols in shapes["expert"]]
@@ -105,6 +107,20 @@ def test_bytes_per_group(world, ep, dense, expert):
         copy = plan[2] * (ep if group == "expert" else 1)
         assert sum(case[r]["memory"][group]["optim"] for r in range(copy)) == 8 * numel * (
             ep if group == "expert" else 1), group
+    # exactly the cost model's formula for the rank's own chunks (state_bytes_of_rank):
+    # the dense group at the rank's place in the dense plan, the experts at its place in
+    # the expert world (ep is the fastest dim: expert-world rank = rank // ep)
+    dense_units, _, expert_units = moe_unit_shapes(TinyMoE(TinyMoEConfig()), ep)
+    e_world, e_per_node = expert_parallel_world(WORLD, PER_NODE, ep)
+    for group, units, plan, where in (
+            ("dense", dense_units, ShardingPlan(*dense).resolve(WORLD, PER_NODE), lambda r: r),
+            ("expert", expert_units, ShardingPlan(*expert).resolve(e_world, e_per_node),
+             lambda r: r // ep)):
+        for rank, result in enumerate(case):
+            mem = result["memory"][group]
+            held = state_bytes_of_rank(units, plan, where(rank), 4)  # accumulating G
+            assert (mem["param"], mem["grad"], mem["optim"]) == (
+                held.param, held.grad, held.optim), (group, rank, mem, held)
 
 
 @pytest.mark.parametrize("ep,dense,expert", [
