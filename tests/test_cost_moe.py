@@ -207,3 +207,63 @@ def test_bad_expert_input():
         choose_plan("deepseek_v3_16b", ep=3, **JOB)
     with pytest.raises(ValueError, match="neither tp='auto' nor pipeline"):
         choose_plan("deepseek_v3_16b", ep=8, tp="auto", **JOB)
+
+
+def test_full_checkpointing_runs_eps_all_to_alls_again():
+    """Full activation checkpointing recomputes each MoE block's forward in backward, its
+    all-to-alls with it (the counts once, the tokens out and back)."""
+    plain = predicted_ep_events(8, 8, 26, 4096, 6, 2048, 64, 4, 2)
+    again = predicted_ep_events(8, 8, 26, 4096, 6, 2048, 64, 4, 2, recompute=True)
+    back = lambda evs: sorted((e.nbytes, e.count) for e in evs if e.phase == "backward")
+    assert back(plain) == [(4096 * 6 * 2048 * 2, 2 * 4 * 26)]
+    assert back(again) == [(64 * 8, 4 * 26), (4096 * 6 * 2048 * 2, 4 * 4 * 26)]
+    m = MODELS["deepseek_v3_16b"]
+    dense = ShardingPlan(8, 8, 64).resolve(W, R)
+    expert = ShardingPlan(1, 1, 8).resolve(128, 1)
+    kw = dict(seq_len=4096, micro_batch=1, micro_batches=4, memory_budget_bytes=75 * GiB,
+              time_model=NcclModel(gpus_per_node=R), expert_plan=expert, ep=8)
+    full = estimate_plan(m, dense, activation_checkpointing="full", **kw)
+    assert event_counter(e for e in full.events if e.dim == "ep" and e.op == "all_to_all") \
+        == event_counter(again)
+
+
+def test_compressed_experts_keep_their_residuals_in_memory():
+    """With compression the experts' error-feedback residuals count in memory too."""
+    from amsp_dtensor.plan.compression import Compression
+    from amsp_dtensor.plan.cost.memory import compression_bytes
+
+    m = MODELS["deepseek_v3_16b"]
+    dense = ShardingPlan(1, 8, 8).resolve(W, R)
+    expert = ShardingPlan(1, 4, 4).resolve(128, 1)
+    comp = Compression(grads="int8")
+    est = estimate_plan(m, dense, seq_len=4096, micro_batch=1, micro_batches=4,
+                        memory_budget_bytes=75 * GiB, time_model=NcclModel(gpus_per_node=R),
+                        expert_plan=expert, ep=8, compression=comp)
+    want = (compression_bytes(m.unit_param_shapes(), dense, comp, 2, 2).total
+            + compression_bytes(m.expert_units(8), expert, comp, 2, 2).total)
+    assert est.memory.compression.total == want
+    assert compression_bytes(m.expert_units(8), expert, comp, 2, 2).total > 0
+
+
+def test_a_later_jobs_watch_survives_an_earlier_meshs_end():
+    """torch reuses a group's name after the groups are destroyed: the first mesh's end
+    must not remove the watch a second job placed on the same name."""
+    import gc
+
+    from amsp_dtensor.engine import recorder
+
+    class Owner:
+        pass
+
+    class Group:
+        group_name = "reused-name-for-this-test"
+
+    first, second = Owner(), Owner()
+    recorder.watch_group(first, Group(), "ep", 2, False)
+    recorder.watch_group(second, Group(), "ep", 4, True)
+    del first
+    gc.collect()
+    assert recorder._watched[Group.group_name] == ("ep", 4, True)
+    del second
+    gc.collect()
+    assert Group.group_name not in recorder._watched

@@ -130,10 +130,18 @@ _watched: dict[str, tuple[str, int, bool]] = {}
 
 def watch_group(owner, group, dim: str, size: int, inter_node: bool) -> None:
     """Record the model's functional all-to-alls over ``group`` as ``dim`` while
-    ``owner`` (the mesh the group belongs to) lives."""
+    ``owner`` (the mesh the group belongs to) lives. torch reuses a group's name once
+    the process groups are destroyed, so a later job's watch may carry the name of an
+    earlier one: the earlier owner's finalizer removes only its own entry."""
     name = group.group_name
-    _watched[name] = (dim, size, inter_node)
-    weakref.finalize(owner, _watched.pop, name, None)
+    entry = (dim, size, inter_node)
+    _watched[name] = entry
+    weakref.finalize(owner, _unwatch, name, entry)
+
+
+def _unwatch(name: str, entry: tuple) -> None:
+    if _watched.get(name) is entry:
+        del _watched[name]
 
 
 class _ModelCollectives(compat.torch_dispatch_mode_base()):
@@ -144,7 +152,9 @@ class _ModelCollectives(compat.torch_dispatch_mode_base()):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is self.all_to_all:
-            seen = _watched.get(args[-1])  # (input, output_split_sizes, input_split_sizes, group_name)
+            # (input, output_split_sizes, input_split_sizes, group_name)
+            name = (kwargs or {}).get("group_name", args[3] if len(args) > 3 else None)
+            seen = _watched.get(name)
             if seen is not None:
                 dim, size, inter = seen
                 phase = "backward" if compat.in_backward() else "forward"

@@ -25,7 +25,7 @@ import json
 import math
 import sys
 
-from amsp_dtensor.plan import tp_outside_node
+from amsp_dtensor.plan import expert_parallel_world, tp_outside_node
 from amsp_dtensor.plan.cost.bandwidth import BandwidthTableError
 from amsp_dtensor.plan.compression import CODECS, Compression
 from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
@@ -473,6 +473,15 @@ def main(argv=None) -> int:
         if args.ep not in (None, 1) and model.experts is None:
             raise UsageError(f"--ep {args.ep}: model {model.name} has no experts; give a "
                              "mixture-of-experts --model (e.g. deepseek_v3_16b) or drop --ep")
+        if model.experts is not None:
+            if args.tp != 1:
+                raise UsageError(f"--tp {args.tp} with {model.name}: the planner has no "
+                                 "tensor parallelism with experts; use --tp 1")
+            try:
+                model.expert_units(args.ep or 1)
+                expert_parallel_world(args.gpus, args.gpus_per_node, args.ep or 1)
+            except ValueError as exc:
+                raise UsageError(f"--ep {args.ep or 1}: {exc}") from None
         if args.tp == "auto":  # one global batch for every degree
             batch = {"global_batch_tokens": args.global_batch_tokens or (
                 (args.micro_batches or 1) * args.seq_len * args.micro_batch * args.gpus)}

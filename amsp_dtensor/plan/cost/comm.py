@@ -336,6 +336,7 @@ def predicted_ep_events(
     micro_batches: int,
     dtype_bytes: int,
     count_bytes: int = 8,
+    recompute: bool = False,
 ) -> list[PlannedComm]:
     """Expert parallelism's own all-to-alls over "ep" in one step (M micro-batches), as
     torchtitan's ExpertParallel issues them per MoE layer and micro-batch (``tokens``: this
@@ -349,16 +350,23 @@ def predicted_ep_events(
     Each rank sends exactly tokens * top_k rows (every token goes to its top_k experts);
     what it sends back is what it received, which follows the routing: the bytes above
     are that rank's under balanced routing, and the EP group's sum over its ranks in any
-    case (tokens are neither made nor lost). None with ep 1."""
+    case (tokens are neither made nor lost). ``recompute`` (full activation
+    checkpointing): backward runs each block's forward again, its three all-to-alls
+    with it. None with ep 1."""
     if ep <= 1 or moe_layers == 0:
         return []
     M, L = int(micro_batches), int(moe_layers)
     routed = int(tokens) * int(top_k) * int(dim) * int(dtype_bytes)
-    return [
-        _ep_comm("all_to_all", ep, dp_ranks_per_node, n_experts * count_bytes, "forward", M * L),
+    counts = n_experts * count_bytes
+    again = 1 if recompute else 0
+    out = [
+        _ep_comm("all_to_all", ep, dp_ranks_per_node, counts, "forward", M * L),
         _ep_comm("all_to_all", ep, dp_ranks_per_node, routed, "forward", 2 * M * L),
-        _ep_comm("all_to_all", ep, dp_ranks_per_node, routed, "backward", 2 * M * L),
+        _ep_comm("all_to_all", ep, dp_ranks_per_node, routed, "backward", (2 + 2 * again) * M * L),
     ]
+    if recompute:
+        out.append(_ep_comm("all_to_all", ep, dp_ranks_per_node, counts, "backward", M * L))
+    return out
 
 
 def _codecs(compression) -> tuple:

@@ -646,6 +646,11 @@ def estimate_memory(
     comp = None
     if compression is not None and compression.enabled:
         comp = compression_bytes(model.unit_param_shapes(tp), plan, compression, e, r)
+        if expert_plan is not None:  # the experts' residuals (and masters) too
+            more = compression_bytes(model.expert_units(ep, expert_shard_dim), expert_plan,
+                                     compression, e, r)
+            comp = CompressionBytes(comp.error_feedback + more.error_feedback,
+                                    comp.fp32_master + more.fp32_master)
     experts = None
     if expert_plan is not None:
         p = expert_plan

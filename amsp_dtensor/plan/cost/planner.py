@@ -434,7 +434,8 @@ def estimate_plan(
     expert_args = dict(model=model, plan=plan, expert_plan=expert_plan, ep=ep,
                        shard_dim=expert_shard_dim,
                        micro_batches=micro_batches, seq_len=seq_len, micro_batch=micro_batch,
-                       dtype_bytes=DTYPE_BYTES[mixed_precision], **event_args)
+                       dtype_bytes=DTYPE_BYTES[mixed_precision],
+                       recompute=activation_checkpointing == "full", **event_args)
     events += _expert_events(**expert_args, compression=compression)
     exact_bytes = None
     if compression is not None:
@@ -480,9 +481,11 @@ def estimate_plan(
 def _expert_events(*, model: ModelShape, plan: ResolvedPlan, expert_plan, ep: int,
                    shard_dim: int, micro_batches: int, seq_len: int, micro_batch: int, dtype_bytes: int,
                    reshard_after_forward, clip: bool, reduce_dtype_bytes,
+                   recompute: bool = False,
                    compression: Compression | None = None) -> list[PlannedComm]:
     """The routed experts' collectives on their plan (their units EP-local) and EP's token
-    all-to-alls (cost/comm.py), none without experts. hpZ (an int reshard_after_forward)
+    all-to-alls (cost/comm.py; ``recompute``: full activation checkpointing runs them again
+    in backward), none without experts. hpZ (an int reshard_after_forward)
     is the dense units': the experts reshard fully."""
     if expert_plan is None:
         return []
@@ -493,7 +496,7 @@ def _expert_events(*, model: ModelShape, plan: ResolvedPlan, expert_plan, ep: in
         dtype_bytes, raf, clip, reduce_dtype_bytes=reduce_dtype_bytes,
         compression=compression) + predicted_ep_events(
         ep, plan.ranks_per_node, model.moe_layers, seq_len * micro_batch, x.top_k, model.dim,
-        x.n_experts, micro_batches, dtype_bytes)
+        x.n_experts, micro_batches, dtype_bytes, recompute=recompute)
 
 
 def _estimate_pipelined(model: ModelShape, plan: ResolvedPlan, pipeline: Pipeline, *,
@@ -837,8 +840,8 @@ def _choose_plan(
                       expert_candidates=expert_estimates, rounds=rounds)
 
 
-# the alternating search's rounds at most: each round keeps one group's plan and picks
-# the other's; it stops when a round changes neither
+# the alternating search's rounds at most: each round picks the dense plan for the expert
+# plan, then the expert plan for that dense plan; it stops when the expert plan stays
 MAX_PAIR_ROUNDS = 4
 
 
@@ -850,8 +853,8 @@ def _choose_pair(shape: ModelShape, plans: list, expert_plans: list, ep: int, co
     until a round keeps the expert plan it started from (its dense ranking is then of
     the chosen pair). The groups interact only through
     memory (one budget) and the shared communication queue, so the search settles in
-    two or three rounds (len(plans) + len(expert_plans) estimates each) where all pairs
-    would be their product. Returns every dense plan's estimate with the chosen expert
+    one or two rounds (len(plans) + len(expert_plans) estimates each) where all pairs
+    would be their product; after MAX_PAIR_ROUNDS it keeps the last expert plan. Returns every dense plan's estimate with the chosen expert
     plan, every expert plan's with the chosen dense plan, and each round's choice."""
     expert = BASELINES["zero3"].resolve(expert_plans[0].world_size,
                                         expert_plans[0].ranks_per_node)
@@ -866,8 +869,12 @@ def _choose_pair(shape: ModelShape, plans: list, expert_plans: list, ep: int, co
         if best.expert_plan == expert:  # the dense ranking above holds for this pair
             break
         expert = best.expert_plan
-    else:  # not settled: rank the dense plans with the last expert plan
+    else:  # not settled: the last expert plan's dense ranking, and the experts' with its best
         dense = [estimate_plan(shape, p, expert_plan=expert, ep=ep, **common) for p in plans]
+        pick = _best(dense, rank_by)
+        experts = [estimate_plan(shape, pick.plan, expert_plan=q, ep=ep, **common)
+                   for q in expert_plans]
+        rounds.append((pick.plan.name, expert.name))
     ranked = _rank((e for e in experts if e.fits), rank_by)
     ranked += sorted((e for e in experts if not e.fits), key=lambda e: e.memory.total)
     return dense, ranked, rounds

@@ -332,7 +332,7 @@ def step_time(
         exposed_comm_seconds=max(0.0, seconds - tl.compute_busy),
         mfu=flops / (seconds * cm.peak_flops) if seconds > 0 else 0.0,
         tokens=tokens * M,
-        tp_comm_seconds=tl.tp_busy - ep_sum,
+        tp_comm_seconds=max(0.0, tl.tp_busy - ep_sum),
         codec_seconds=codec,
         ep_comm_seconds=ep_sum,
     )
