@@ -500,6 +500,31 @@ def test_moe_loss_matches_torchtitan_03_fsdp2_ep(model, pair, moe_reference, tmp
     assert tb["memory_by_state/expert/param(MiB)"][1] > 0
 
 
+def test_plan_auto_with_experts_picks_both_plans_and_matches_torchtitan_03(moe_reference,
+                                                                          tmp_path):
+    """plan = "auto" with ep 2 on deepseek_v3: the planner reads the model off 0.3's
+    parameters, picks the dense and the expert plan (logged), the job runs under that
+    pair (TensorBoard) and its losses equal torchtitan 0.3's own FSDP2 + EP from the same
+    weights."""
+    saved, want, _ = moe_reference("deepseek_v3")
+    proc = torchrun(["--model.name", "deepseek_v3_amsp", *MOE_MODELS["deepseek_v3"], *EP2,
+                     "--training.steps", str(MOE_STEPS), "--amsp.plan", "auto",
+                     *_initial_weights(saved)], tmp_path, timeout=MOE_RUN_S)
+    line = next(ln for ln in (proc.stdout + proc.stderr).splitlines()
+                if '[amsp] plan = "auto": the planner chose ' in ln)
+    dense, rest = line.split("the planner chose ", 1)[1].split(" + experts ")
+    expert = rest.split(" (ep 2)")[0]
+    tb = scalars(tmp_path)
+    for prefix, name in (("amsp/s_", dense), ("amsp/expert_s_", expert)):
+        factors = [int(f.lstrip("pgos")) for f in name.split("-")]
+        assert [tb[f"{prefix}{k}"][1] for k in ("p", "g", "os")] == factors, (prefix, name)
+    got = losses(tmp_path)
+    print(f"\nplan = auto chose {dense} + experts {expert}: " + " ".join(
+        f"{abs(a - b) / abs(b):.1e}" for a, b in zip(got, want)))
+    assert len(got) == len(want) == MOE_STEPS
+    assert all(abs(a - b) <= MOE_REL_TOL * abs(b) for a, b in zip(got, want)), (got, want)
+
+
 @pytest.mark.parametrize("args,line", [
     (["--amsp.bogus", "1"], "amsp.bogus: unknown key in [amsp]"),
     (["--training.stepz", "1"], "--training.stepz: unknown flag for torchtitan 0.3's "

@@ -18,7 +18,6 @@ from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError, unknown_amsp_key
 from .planner_bridge import AUTO_EXPERT_PLAN
-from .version import is_titan03
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
 EXPERT_KEYS = ("expert_param_shard", "expert_grad_shard", "expert_optim_shard")
@@ -594,12 +593,6 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     pp = job_world // world
     tp = tensor_parallel_degree(job_config, ranks_per_node)
     layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp)
-    if cfg.plan == "auto" and job_config.parallelism.expert_parallel_degree != 1 and (
-            is_titan03()):
-        raise AmspConfigError(
-            "amsp.plan='auto' with expert parallelism or [amsp] expert factors: the planner "
-            "does not choose expert plans yet on torchtitan 0.3 (it does on 0.2.2); set "
-            "param_shard, grad_shard, optim_shard and the expert_* factors")
     if cfg.plan == "auto" and experts_configured(cfg):
         key = experts_configured(cfg)[0]
         raise AmspConfigError(

@@ -75,6 +75,11 @@ def planner_model(config):
     model_config = config.model_spec.model
     with torch.device("meta"):
         model = model_config.build()
+    from torchtitan.models.common.moe import MoE
+
+    moe = [found[1] for found in model_config.traverse(MoE.Config)]
+    if moe:  # torchtitan 0.3's MoE models: read off the parameters, checked there
+        return _moe_planner_model(config, model_config, model, moe[0].router.top_k)
     attention = [getattr(layer, "attention", None) for layer in model_config.layers]
     attention = [a for a in attention if a is not None and hasattr(a, "n_heads")]
     n_heads = attention[0].n_heads if attention else None
@@ -92,6 +97,23 @@ def planner_model(config):
                       dim=model_config.dim, n_layers=len(model.layers), n_heads=n_heads,
                       vocab_size=model_config.vocab_size, ffn_hidden=w1.shape[0],
                       n_kv_heads=n_kv)
+
+
+def _moe_planner_model(config, model_config, model, top_k: int):
+    from ...plan.cost.models import from_named_shapes
+
+    layers = list(model.layers.values() if hasattr(model.layers, "values") else model.layers)
+    blocks = [{n: tuple(p.shape) for n, p in layer.named_parameters()} for layer in layers]
+    in_blocks = {id(p) for layer in layers for p in layer.parameters()}
+    root = {n: tuple(p.shape) for n, p in model.named_parameters() if id(p) not in in_blocks}
+    attention = next(layer.attention for layer in model_config.layers)
+    name = f"{model_name(config)}_{config.model_spec.flavor}"
+    try:
+        return from_named_shapes(name, dim=model_config.dim, n_heads=attention.n_heads,
+                                 top_k=top_k, blocks=blocks, root=root)
+    except ValueError as e:
+        raise AmspConfigError(f"amsp.plan='auto': {e}; set param_shard, grad_shard, "
+                              "optim_shard and the expert_* factors") from None
 
 
 class _Parallelism:
