@@ -67,10 +67,13 @@ def log_plan(plan, tp: int, version_note: str = "") -> None:
                 f"({plan.ranks_per_node} per node){under_tp}{version_note}")
 
 
-def run_trainer(build) -> int:
+def run_trainer(build, seed_checkpoint: bool = False) -> int:
     """The body of torchtitan.train.main with the trainer ``build()`` returns: train, close
-    the trainer, destroy the process group. Exit code 2 when a checkpoint does not match the
-    job (every rank raises it before any collective of the load), else 0."""
+    the trainer, destroy the process group; with ``seed_checkpoint`` (the job's
+    checkpoint.create_seed_checkpoint) save the initial weights as step 0 instead of
+    training, as torchtitan's main does (one rank, checkpointing on: its asserts). Exit
+    code 2 when a checkpoint does not match the job (every rank raises it before any
+    collective of the load), else 0."""
     import torch
 
     from torchtitan.tools.logging import logger
@@ -81,7 +84,15 @@ def run_trainer(build) -> int:
     try:
         try:
             trainer = build()
-            trainer.train()
+            if seed_checkpoint:
+                assert int(os.environ["WORLD_SIZE"]) == 1, (
+                    "Must create seed checkpoint using a single device, to disable sharding.")
+                assert trainer.checkpointer.enable, (
+                    "Must enable checkpointing when creating a seed checkpoint.")
+                trainer.checkpointer.save(curr_step=0, last_step=True)
+                logger.info("Created seed checkpoint")
+            else:
+                trainer.train()
         finally:
             if trainer is not None:
                 trainer.close()

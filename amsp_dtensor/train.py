@@ -190,7 +190,8 @@ def run(job_config) -> int:
     """The body of torchtitan.train.main, with AmspTrainer (exit code: launching.run_trainer)."""
     from amsp_dtensor.titan.trainer import AmspTrainer
 
-    return run_trainer(lambda: AmspTrainer(job_config))
+    return run_trainer(lambda: AmspTrainer(job_config),
+                       job_config.checkpoint.create_seed_checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

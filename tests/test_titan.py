@@ -67,7 +67,8 @@ def save_seed_checkpoint(dump: Path, model: tuple[str, ...] = ("--model.name", "
               "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"],
              dump, nproc=1)
     steps = sorted((dump / "checkpoint").iterdir())
-    assert steps, f"no seed checkpoint under {dump}"
+    # the initial weights, as torchtitan's main saves them (step 0, no training step)
+    assert [s.name for s in steps] == ["step-0"], (dump, steps)
     return steps[0]
 
 

@@ -449,9 +449,8 @@ def _initial_weights(saved) -> list[str]:
 def moe_reference(tmp_path_factory):
     """model -> (a checkpoint of its weights, torchtitan 0.3's own FSDP2 + EP 2 losses from
     them, its log); each model runs once. The weights: torchtitan's trainer on one rank
-    (no sharding), saved after one step (amsp_dtensor.train trains before it saves, also
-    with --checkpoint.create_seed_checkpoint; the step changes nothing of the comparison:
-    both runs load these weights, model only)."""
+    (no sharding) with --checkpoint.create_seed_checkpoint, the initial weights as step 0;
+    both runs load them, model only."""
     runs = {}
 
     def get(model: str):
@@ -463,6 +462,7 @@ def moe_reference(tmp_path_factory):
                       "--parallelism.data_parallel_shard_degree", "1",
                       "--training.steps", "1"], seed, nproc=1, timeout=MOE_RUN_S, env=env)
             saved = sorted((seed / "checkpoint").iterdir())[0]
+            assert saved.name == "step-0", saved  # a seed, not a trained step
             dump = tmp_path_factory.mktemp(f"{model}_titan_ep2")
             proc = torchrun([*flags, *EP2, "--training.steps", str(MOE_STEPS),
                              *_initial_weights(saved)], dump, timeout=MOE_RUN_S, env=env)

@@ -121,4 +121,4 @@ def main(argv: list[str]) -> int:
 def run(config) -> int:
     """The body of torchtitan.train.main, with the AmspTrainer ``config`` builds (exit code:
     launching.run_trainer)."""
-    return launcher.run_trainer(config.build)
+    return launcher.run_trainer(config.build, config.checkpoint.create_seed_checkpoint)
