@@ -381,8 +381,8 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
      "parallelism.expert_parallel_degree=2 with tensor_parallel_degree=2: expert parallelism "
      "beside tensor parallelism is not supported"),
     (["--job.config_file", str(RECIPE), *DSV3, *EP2, "--compile.enable"],
-     "compile.enable=True with parallelism.expert_parallel_degree=2: AMSP records expert "
-     "parallelism's token all-to-alls with a torch dispatch mode"),
+     "compile.enable=True with parallelism.expert_parallel_degree=2: per-block torch.compile "
+     "stops at the routed experts' own AMSP unit"),
 ], ids=["ep-on-a-dense-model-toml", "ep-on-a-dense-model-registry",
         "expert-keys-on-a-dense-model", "ep-not-dividing-experts",
         "expert-factor-outside-the-expert-world", "expert-chain-rule", "ep-with-tp",

@@ -180,9 +180,13 @@ def test_deepseek_v3_pipeline_and_expert_parallel_on_8_ranks(reference, tmp_path
       "--amsp.expert_optim_shard", "2"], 4, 2,
      "amsp.expert_optim_shard=2 with amsp.plan='auto': the planner chooses the expert plan "
      "too; remove the [amsp] expert_* factors"),
+    ([*MOE, "--parallelism.expert_parallel_degree", "2", "--compile.enable"], 4, 2,
+     "compile.enable=True with parallelism.expert_parallel_degree=2: per-block torch.compile "
+     "stops at the routed experts' own AMSP unit"),
 ], ids=["expert-factor-outside-the-expert-world", "expert-chain-rule", "ep-not-dividing-ranks",
         "ep-not-dividing-experts", "ep-with-tp", "etp", "expert-keys-on-a-dense-model",
-        "ep-on-a-dense-model", "pp-on-a-model-without-pipelining", "auto-with-expert-factors"])
+        "ep-on-a-dense-model", "pp-on-a-model-without-pipelining", "auto-with-expert-factors",
+        "compile-with-ep"])
 def test_expert_refusals_are_one_line_before_start_up(argv, world, local, starts_with,
                                                       monkeypatch, capsys):
     if local == 3:

@@ -705,3 +705,26 @@ def check_unsupported(job_config) -> None:
             "training.enable_cpu_offload=True: AMSP does not offload parameters, gradients or "
             "optimizer states to the CPU; set it to false (or shard the optimizer states "
             "further: amsp.optim_shard)")
+    check_compile_with_experts(job_config)
+
+
+def check_compile_with_experts(job_config) -> None:
+    """Per-block torch.compile (fullgraph) with the routed experts on a unit of their own
+    (expert parallelism, or [amsp] expert factors): the experts' unit sits inside the
+    compiled block, and dynamo stops at its FSDP2 hooks ("torch._dynamo.decorators.disable
+    ... file matches MOD_SKIPLIST", a graph break fullgraph forbids; torchtitan 0.3,
+    deepseek_v3 with ep 2). torchtitan's own FSDP2 + EP shards each block as one unit."""
+    compile_config = getattr(job_config, "compile", None)
+    if compile_config is None or not compile_config.enable or (
+            "model" not in compile_config.components):
+        return
+    ep = job_config.parallelism.expert_parallel_degree
+    keys = experts_configured(job_config.amsp)
+    if ep > 1 or keys:
+        why = (f"parallelism.expert_parallel_degree={ep}" if ep > 1 else
+               f"amsp.{keys[0]}={getattr(job_config.amsp, keys[0])!r}")
+        raise AmspConfigError(
+            f"compile.enable=True with {why}: per-block torch.compile stops at the routed "
+            "experts' own AMSP unit inside each MoE block (a graph break at its FSDP2 "
+            "hooks); set compile.enable = false, or train the experts with their blocks "
+            "(expert_parallel_degree = 1, no [amsp] expert_* factors)")

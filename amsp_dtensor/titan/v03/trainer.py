@@ -59,14 +59,6 @@ def check_job(config) -> None:
             "forward, each chunk with its own backward, which AMSP's [norm, lm_head] unit "
             "does not schedule; use CrossEntropyLoss (the *_amsp config entries do)")
     check_experts(config)
-    ep = config.parallelism.expert_parallel_degree
-    if ep > 1 and config.compile.enable and "model" in config.compile.components:
-        raise AmspConfigError(
-            f"compile.enable=True with parallelism.expert_parallel_degree={ep}: AMSP records "
-            "expert parallelism's token all-to-alls with a torch dispatch mode around the "
-            "step (engine/recorder.py), under which torch.compile compiles no frame "
-            "(dynamo: \"non-infra torch dispatch mode present\"); set compile.enable = "
-            "false, or expert_parallel_degree = 1")
     if not config.training.disable_cuda_graphs:
         raise AmspConfigError(
             "training.disable_cuda_graphs=False: AMSP allocates and frees its gradient "
