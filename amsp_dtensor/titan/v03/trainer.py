@@ -83,8 +83,9 @@ def check_experts(config) -> None:
     config's model, as 0.2.2 refuses them (``titan.validate.check_model_experts``): on a
     model without MoE layers, or an EP degree that does not divide its experts. Read off
     the model's config (its MoE layer configs), before anything is built. The rest (the
-    expert factors against the expert world, ep beside tp, plan = "auto" with experts) is
-    ``job_plan``'s, shared with 0.2.2."""
+    expert factors against the expert world, ep beside tp, plan = "auto" beside expert
+    factors, compile with the experts on their own unit) is ``job_plan``'s, shared with
+    0.2.2."""
     from torchtitan.models.common.moe import MoE
 
     spec = config.model_spec
