@@ -37,6 +37,7 @@ import pytest
 
 from amsp_dtensor.titan.version import is_titan03
 from test_titan import REPO, RECIPE, losses, scalars, torchrun
+from test_titan_moe import PAIRS as MOE_PAIRS, _plan as _moe_plan
 
 pytestmark = pytest.mark.skipif(not is_titan03(), reason="needs torchtitan 0.3 (.ci/titan03.sh)")
 
@@ -422,22 +423,10 @@ MOE_RUN_MODELS = os.environ.get("TITAN03_MOE_MODELS", "deepseek_v3").split(",")
 MOE_ENV = {"qwen3": {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072",
                      "MALLOC_TRIM_THRESHOLD_": "131072"}}
 # (dense plan, expert plan) on 4 ranks, 2 per node; under ep 2 the expert world is 2 ranks
-MOE_PAIRS = {
-    # torchtitan's own layout: FSDP over the 4 ranks, experts over efsdp = 4 / 2
-    "titan-layout": ((4, 4, 4), (2, 2, 2)),
-    "dense-p2-g2-os4-experts-p1-g1-os2": ((2, 2, 4), (1, 1, 2)),
-    # the experts sharded more than the dense layers (p1 beside p2)
-    "dense-p1-g1-os2-experts-p2-g2-os2": ((1, 1, 2), (2, 2, 2)),
-}
+# (dense plan, expert plan) on 4 ranks, 2 per node: MOE_PAIRS, the 0.2.2 test's pairs
 _moe_pairs = os.environ.get("TITAN03_MOE_PAIRS", "all")
 MOE_RUN_PAIRS = list(MOE_PAIRS) if _moe_pairs == "all" else _moe_pairs.split(",")
 MOE_RUN_S = 1800
-
-
-def _moe_plan(dense, expert) -> list[str]:
-    keys = ("param_shard", "grad_shard", "optim_shard")
-    return [*(f for k, v in zip(keys, dense) for f in (f"--amsp.{k}", str(v))),
-            *(f for k, v in zip(keys, expert) for f in (f"--amsp.expert_{k}", str(v)))]
 
 
 def _initial_weights(saved) -> list[str]:

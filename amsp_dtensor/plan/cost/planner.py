@@ -63,7 +63,8 @@ from .models import ModelShape, from_torchtitan_args, get_model
 from .nccl import NcclModel, node_nic_bytes, wire_bytes
 from .padding import shard_numel
 from .pipeline import Pipeline, stage_model, with_p_gathers
-from .step import ComputeModel, StepTime, model_flops_per_token, step_time
+from .step import (ComputeModel, StepTime, is_token_exchange, model_flops_per_token,
+                   step_time)
 from .tensor_parallel import check_sequence_parallel, tp_events, tp_seconds_per_micro_batch
 
 __all__ = [
@@ -156,7 +157,7 @@ class PlanEstimate:
         locality ({"intra", "inter"})."""
         out: dict[str, dict[str, int]] = {}
         for ev in self.events:
-            group = ("ep" if ev.dim == "ep" and ev.op == "all_to_all" else
+            group = ("ep" if is_token_exchange(ev) else
                      "expert" if ev.dim.startswith(EXPERT_DIM_PREFIX) or ev.dim == "ep"
                      else "dense")
             where = out.setdefault(group, {"intra": 0, "inter": 0})
