@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import math
 
 import torch
@@ -53,6 +54,7 @@ from torch.profiler import record_function
 from .. import compat
 from . import param_update
 from . import grad as grad_path
+from .fqn import clean_fqn
 from .handle import root_state
 from .layouts import OS_PLACEMENTS, chunk_rows, gather_full
 from .lifecycle import StepState
@@ -135,6 +137,60 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _resolve_groups(model: nn.Module, fqns: list[str], param_groups, optimizer_class
+                    ) -> list[tuple[list[int], dict]]:
+    """``param_groups`` (AMSPOptimizer's argument) as [(indices into ``fqns``, the group's
+    hyperparameters)]; None is one group of every parameter. Raises, naming the group and
+    the fix, for anything torch would refuse or silently mis-train: a parameter in two
+    groups or in none, one the model lacks or has frozen, a key the optimizer does not
+    take."""
+    if param_groups is None:
+        return [(list(range(len(fqns))), {})]
+    if not isinstance(param_groups, (list, tuple)) or not param_groups or not all(
+            isinstance(g, dict) and "params" in g for g in param_groups):
+        raise TypeError("param_groups must be a non-empty list of dicts, each with 'params' "
+                        "(the model's parameters or their FQNs) and the group's options")
+    index_of = {fqn: i for i, fqn in enumerate(fqns)}
+    names = {id(p): clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
+    owner: dict[int, int] = {}
+    groups = []
+    for g, group in enumerate(param_groups):
+        unknown = sorted(set(group) - accepted - {"params"})
+        if unknown:
+            raise ValueError(f"param_groups[{g}] has {', '.join(map(repr, unknown))}, which "
+                             f"{optimizer_class.__name__} does not take: use "
+                             f"{', '.join(sorted(accepted))}")
+        params = group["params"]
+        params = [params] if isinstance(params, (str, torch.Tensor)) else list(params)
+        indices = []
+        for p in params:
+            fqn = p if isinstance(p, str) else names.get(id(p))
+            if fqn not in index_of:
+                what = (f"{fqn!r} is frozen (requires_grad=False) or not sharded by "
+                        "amsp.fully_shard" if fqn in names.values() else
+                        f"{p!r} is not a parameter of this model" if isinstance(p, str) else
+                        "a tensor that is not a parameter of this model (pass the "
+                        "parameters model.parameters() gives after amsp.fully_shard)")
+                raise ValueError(f"param_groups[{g}]: {what}; a group holds trainable "
+                                 "parameters only")
+            i = index_of[fqn]
+            if i in owner:
+                raise ValueError(f"{fqn!r} is in param_groups[{owner[i]}] and "
+                                 f"param_groups[{g}]: each parameter belongs to one group")
+            owner[i] = g
+            indices.append(i)
+        if not indices:
+            raise ValueError(f"param_groups[{g}] holds no parameters: drop it")
+        groups.append((indices, {k: v for k, v in group.items() if k != "params"}))
+    missing = [f for i, f in enumerate(fqns) if i not in owner]
+    if missing:
+        raise ValueError(f"{len(missing)} trainable parameters are in no group "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                         "add them to a group (a group of only 'params' takes the defaults)")
+    return groups
+
+
 class InnerState(enum.Enum):
     """Where the wrapped optimizer's per-parameter state came from."""
 
@@ -152,6 +208,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
     root passed last to ``amsp.fully_shard``. ``param_groups`` and ``state`` are the
     wrapped optimizer's, so LR schedulers work unchanged. ``overlap_param_update``: see
     the module docstring (default False: parameters are current when ``step()`` returns).
+
+    ``param_groups``: torch's parameter groups, ``[{"params": [...], "lr": 1e-4, ...},
+    ...]``, ``params`` the model's parameters or their FQNs (as ``model.named_parameters()``
+    names them); the other keys override ``optimizer_kwargs`` for the group. Every
+    trainable parameter belongs to exactly one group. Each OS shard is stepped with its
+    parameter's group (grouping is per parameter, so it never depends on the plan).
     """
 
     def __init__(
@@ -160,6 +222,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         overlap_param_update: bool = False,
+        param_groups: list[dict] | None = None,
         **optimizer_kwargs,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -185,6 +248,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 "this model already has an AMSPOptimizer (it owns the fp32 master weights): "
                 "build one AMSPOptimizer per model, with several param_groups if needed"
             )
+        self._fqns: list[str] = [f for unit in self._root.units for f in unit.param_fqns]
+        # the groups as indices into self._fqns (the masters' order), checked before
+        # anything is built or registered
+        groups = _resolve_groups(model, self._fqns, param_groups, optimizer_class)
         for unit in self._root.units:
             if unit.refresh_params():
                 grad_path.register_param_hooks(unit)
@@ -201,14 +268,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self._unit_masters: list[tuple[AMSPUnit, list[DTensor]]] = []
         self._unit_slices: dict[int, tuple[int, list[DTensor]]] = {}  # id(unit) -> (start, masters)
         self._unit_numel: dict[int, int] = {}  # id(unit) -> elements of its OS shard (step_batches)
-        self._fqns: list[str] = []
         for unit in self._root.units:
             masters = self._build_masters(unit)
             self._unit_masters.append((unit, masters))
             self._unit_slices[id(unit)] = (len(self._masters), masters)
             self._unit_numel[id(unit)] = sum(m.to_local().numel() for m in masters)
             self._masters.extend(masters)
-            self._fqns.extend(unit.param_fqns)
         # Plain Parameters sharing storage with the master DTensors' local shards.
         self._opt_params = [nn.Parameter(m.to_local()) for m in self._masters]
         # under TP, the params every tp rank holds whole (SequenceParallel norms): their
@@ -222,14 +287,20 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self._tp_replicated = [isinstance(p, Replicate) for u in self._root.units
                                for p in (u.tp_placements or [None] * len(u.params))]
         self.optimizer_class = optimizer_class  # what the user asked for (checkpoints name it)
+        # the wrapped optimizer holds the params group by group: its index k is master
+        # self._order[k], and master j is its index self._inner_index[j]
+        self._order = [j for indices, _ in groups for j in indices]
+        self._inner_index = {j: k for k, j in enumerate(self._order)}
+        inner_groups = [{"params": [self._opt_params[j] for j in indices], **hyper}
+                        for indices, hyper in groups]
         if optimizer_class in SHARDED_OPTIMIZERS:
             self.inner = SHARDED_OPTIMIZERS[optimizer_class](
-                self._opt_params, global_shapes=[m.shape for m in self._masters],
+                inner_groups, global_shapes=[self._masters[j].shape for j in self._order],
                 all_reduce=shard_group_all_reduce(self._root.collectives),
                 **optimizer_kwargs,
             )
         else:
-            self.inner = optimizer_class(self._opt_params, **optimizer_kwargs)
+            self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
         super().__init__(self._opt_params, self.inner.defaults)
         # One source of truth: schedulers and users edit the wrapped optimizer's groups.
         self.param_groups = self.inner.param_groups
@@ -609,7 +680,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         state = {}
         for index, (fqn, master) in enumerate(zip(self._fqns, self._masters)):
             entry = {"master": master.detach()}
-            for key, value in inner["state"].get(index, {}).items():
+            for key, value in inner["state"].get(self._inner_index[index], {}).items():
                 if _row_sharded(key, value, master.to_local()):
                     value = self._as_dtensor(value, master)
                 entry[key] = value
@@ -617,7 +688,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         groups = []
         for group in inner["param_groups"]:
             g = dict(group)
-            g["params"] = [self._fqns[i] for i in group["params"]]
+            g["params"] = [self._fqns[self._order[k]] for k in group["params"]]
             groups.append(g)
         return {"state": state, "param_groups": groups,
                 "state_is_placeholder": self._inner_state is InnerState.PLACEHOLDER}
@@ -696,19 +767,35 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     converted[key] = value.to_local()
                 else:
                     converted[key] = value
-            inner_state[i] = converted
-        groups = []
-        for group in state_dict["param_groups"]:
-            g = dict(group)
-            g["params"] = [index_of[fqn] for fqn in group["params"]]
-            groups.append(g)
-        self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
+            inner_state[self._inner_index[i]] = converted
+        self.inner.load_state_dict({"state": inner_state,
+                                    "param_groups": self._saved_groups(state_dict["param_groups"])})
         placeholder = bool(state_dict.get("state_is_placeholder", False))
         self._inner_state = InnerState.PLACEHOLDER if placeholder else InnerState.REAL
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         for unit, masters in self._unit_masters:
             unit.overwrite(masters)
+
+    def _saved_groups(self, saved: list[dict]) -> list[dict]:
+        """The saved param groups in the wrapped optimizer's order, each holding the
+        inner indices of its parameters: the checkpoint must group the parameters as this
+        optimizer does (torch's rule); its hyperparameters (lr, ...) are restored."""
+        by_fqn = {fqn: g for g in saved for fqn in g["params"]}
+        master_of = {id(p): j for j, p in enumerate(self._opt_params)}
+        groups = []
+        for group in self.inner.param_groups:
+            indices = [master_of[id(p)] for p in group["params"]]
+            fqns = [self._fqns[j] for j in indices]
+            match = by_fqn.get(fqns[0])
+            if match is None or set(match["params"]) != set(fqns):
+                raise ValueError(
+                    "the checkpoint's optimizer groups the parameters differently from this "
+                    f"one: its group of {fqns[0]!r} holds "
+                    f"{len(match['params']) if match else 0} parameters, this one's "
+                    f"{len(fqns)}; build AMSPOptimizer with the param_groups it was saved with")
+            groups.append(dict(match, params=[self._inner_index[j] for j in indices]))
+        return groups
 
     @staticmethod
     def _to_os_layout(value: torch.Tensor, like: DTensor) -> DTensor:

@@ -4,6 +4,7 @@ reference on the same global batch."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,35 @@ MAX_NORM = 0.5
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": LR, "weight_decay": 0.1}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adamw_groups": (torch.optim.AdamW, {"lr": LR, "weight_decay": 0.1}),
+    "adafactor_groups": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adamw_norms": (torch.optim.AdamW, {"lr": LR, "weight_decay": 0.1}),
 }
+# optimizer name -> its param groups: [(regex searched in the parameter's FQN, the group's
+# options)], first match wins (torchtitan's ParamGroupConfig rule). The embeddings and
+# head, the norms (inside every block: a group that is not contiguous in the model's
+# order) and the rest each with their own lr and weight decay.
+PARAM_GROUPS = {
+    "adamw_groups": [(r"^(tok_embeddings|output)\.", {"lr": 3e-3, "weight_decay": 0.0}),
+                     (r"norm\.", {"lr": 5e-4, "weight_decay": 0.0}),
+                     (r"", {"weight_decay": 0.3})],
+    "adafactor_groups": [(r"norm\.", {"lr": 3e-2, "weight_decay": 0.0}),
+                         (r"", {})],
+    "adamw_norms": [(r"norm\.", {"lr": 5e-4}), (r"", {})],
+}
+
+
+def param_groups(named, optimizer: str) -> list[dict] | None:
+    """torch param groups of ``named`` ((FQN, param) pairs) for PARAM_GROUPS[optimizer]
+    (None for an optimizer without groups)."""
+    spec = PARAM_GROUPS.get(optimizer)
+    if spec is None:
+        return None
+    groups = [{"params": [], **options} for _, options in spec]
+    for name, param in named:
+        first = next(i for i, (pattern, _) in enumerate(spec) if re.search(pattern, name))
+        groups[first]["params"].append(param)
+    return groups
 
 
 def global_batches(step: int, world_size: int, micro_batches: int, cfg: TinyLlamaConfig):
@@ -88,10 +117,12 @@ def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, va
     """One process, whole global batch, fp32 master weights + AdamW, same clipping; the
     weights after each of the first ``read_steps`` steps in "step_weights"."""
     model = make_model(dtype, variant=variant)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     cls, kwargs = OPTIMIZERS[optimizer]
-    optim = cls(masters, **kwargs)
+    groups = param_groups([(n, m) for (n, _), m in zip(named, masters)], optimizer)
+    optim = cls(groups or masters, **kwargs)
     losses, norms, step_weights = [], [], []
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
@@ -188,7 +219,10 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     if compression:
         amsp.set_compression(model, **compression)
     cls, kwargs = OPTIMIZERS[optimizer]
-    optim = amsp.AMSPOptimizer(model, cls, overlap_param_update=overlap, **kwargs)
+    groups = param_groups([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                          optimizer)
+    optim = amsp.AMSPOptimizer(model, cls, overlap_param_update=overlap, param_groups=groups,
+                               **kwargs)
     losses, norms, memory, step_weights = [], [], {}, []
     in_flight_after_backward = []  # gradient collectives still in flight when step() begins
     stale_before_wait = None
