@@ -50,7 +50,7 @@ needs_20_steps = pytest.mark.skipif(STEPS < 20, reason="resumes a step-10 checkp
 NOT_LOADED = ["--checkpoint.exclude_from_loading", "dataloader"]
 BASELINE = ["--model.name", "llama3", "--amsp.init_like_single_process"]
 TP = ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "128"]
-RUN_S = 400
+RUN_S = int(os.environ.get("TITAN03_RUN_S", "400"))  # seconds a run may take (more on a loaded machine)
 
 
 def _close(got: list[float], want: list[float], rel: float = REL_TOL) -> list:
@@ -200,6 +200,100 @@ def test_per_block_compile_gives_torchtitans_losses(fsdp, tmp_path):
     assert "Compiling each TransformerBlock with torch.compile" in proc.stdout + proc.stderr
     got, want = losses(tmp_path), losses(fsdp[0])[:3]
     assert not _close(got, want), (got, want)
+
+
+# torchtitan 0.3's parameter groups (ParamGroupConfig: a regex per group, first match wins,
+# each its own optimizer and kwargs), as qwen3_debugmodel_moe_param_groups mixes them: the
+# embeddings and head (AdamW, no decay), the norms (Adam), the rest (AdamW, decay 0.1)
+GROUP_ENTRIES = """
+from torchtitan.components.optimizer import ParamGroupConfig
+
+from amsp_dtensor.titan.v03 import toml_config
+
+BETAS = {"betas": (0.9, 0.95), "eps": 1e-8}
+GROUPS = [
+    ParamGroupConfig(pattern=r"(?:tok_embeddings|output)\\.", optimizer_name="AdamW",
+                     optimizer_kwargs={"lr": 3e-3, "weight_decay": 0.0, **BETAS}),
+    ParamGroupConfig(pattern=r"norm\\.", optimizer_name="Adam",
+                     optimizer_kwargs={"lr": 2e-4, **BETAS}),
+    ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                     optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.1, **BETAS}),
+]
+
+
+def _grouped(*flags):
+    values, _ = toml_config.read(["--job.config_file", RECIPE, *flags])
+    config = toml_config.build(values)
+    config.optimizer.param_groups = list(GROUPS)
+    return config
+
+
+def amsp_groups():
+    return _grouped()
+
+
+def titan_groups():
+    return _grouped("--model.name", "llama3", "--amsp.init_like_single_process")
+"""
+
+
+def test_param_groups_map_onto_one_torch_optimizer_or_are_refused_in_one_line():
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from amsp_dtensor.titan.config import AmspConfigError
+    from amsp_dtensor.titan.v03.job import optimizer_of
+
+    def config(*groups, **options):
+        return OptimizersContainer.Config(param_groups=[
+            ParamGroupConfig(pattern=p, optimizer_name=n, optimizer_kwargs=k)
+            for p, n, k in groups], **options)
+
+    one = config((".*", "AdamW", {"lr": 1e-3, "betas": [0.9, 0.95]}))
+    assert optimizer_of(one) == ("AdamW", {"lr": 1e-3, "betas": (0.9, 0.95)}, "fused", None)
+    same = config(("norm", "AdamW", {"lr": 1e-3}), (".*", "AdamW", {"lr": 2e-3}))
+    assert optimizer_of(same) == ("AdamW", {}, "fused",
+                                  [("norm", {"lr": 1e-3}), (".*", {"lr": 2e-3})])
+    mixed = config(("norm", "Adam", {"lr": 1e-3}), (".*", "AdamW", {"weight_decay": 0.1}))
+    assert optimizer_of(mixed) == ("Adam", {}, "fused", [
+        ("norm", {"lr": 1e-3, "decoupled_weight_decay": False}),
+        (".*", {"weight_decay": 0.1, "decoupled_weight_decay": True})])
+    refused = {
+        "optimizer.name='SGD' (param group 'norm'): AMSP supports Adam, AdamW":
+            config(("norm", "SGD", {}), (".*", "AdamW", {})),
+        "optimizer param group '.*' sets decoupled_weight_decay: name the optimizer instead "
+        "(AdamW decouples the weight decay, Adam does not)":
+            config((".*", "Adam", {"decoupled_weight_decay": True})),
+        "optimizer.param_groups is empty: give at least one group (default_adamw's matches "
+        "every parameter)": config(),
+    }
+    for line, bad in refused.items():
+        with pytest.raises(AmspConfigError) as e:
+            optimizer_of(bad)
+        assert str(e.value) == line
+
+
+def _registry_run(entries: str, name: str, dump, steps: int, tmp_path) -> list[float]:
+    """``torchrun -m amsp_dtensor.train --module <entries> --config <name>`` on 4 ranks."""
+    (tmp_path / "group_entries.py").write_text(entries.replace("RECIPE", repr(str(RECIPE))))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]))
+    proc = subprocess.run(
+        ["timeout", str(RUN_S), sys.executable, "-m", "torch.distributed.run",
+         "--nproc_per_node", "4", "--standalone", "-m", "amsp_dtensor.train",
+         "--module", "group_entries", "--config", name, "--dump_folder", str(dump),
+         "--training.steps", str(steps)],
+        cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return losses(dump)
+
+
+def test_param_groups_of_two_optimizers_match_torchtitan_03s_own(fsdp, tmp_path):
+    steps = min(STEPS, 5)
+    want = _registry_run(GROUP_ENTRIES, "titan_groups", tmp_path / "titan", steps, tmp_path)
+    got = _registry_run(GROUP_ENTRIES, "amsp_groups", tmp_path / "amsp", steps, tmp_path)
+    assert not _close(got, want), (got, want)
+    # the groups change training: one AdamW group (the fsdp run) is far from both
+    assert len(_close(losses(fsdp[0])[:steps], want)) >= steps - 1, (losses(fsdp[0]), want)
 
 
 # ---- the TOML and the registry, in this process -----------------------------------------

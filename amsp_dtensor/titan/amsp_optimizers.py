@@ -10,6 +10,7 @@ before its own OptimizersContainer and adds only how it is built.
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Any
 
@@ -38,14 +39,20 @@ class AmspOptimizers:
     compression residuals)."""
 
     def _build_amsp_optimizers(self, model_parts: list[nn.Module], optimizer_cls,
-                               optimizer_kwargs: dict[str, Any]) -> list[nn.Parameter]:
+                               optimizer_kwargs: dict[str, Any],
+                               param_groups: list[tuple[str, dict]] | None = None,
+                               ) -> list[nn.Parameter]:
         """Set ``model_parts`` and ``optimizers``; returns the trainable parameters (for
-        torchtitan's own container bookkeeping, which the caller runs)."""
+        torchtitan's own container bookkeeping, which the caller runs). ``param_groups``:
+        [(regex, the group's kwargs)], each parameter in the group of the first regex
+        found in its name (torchtitan 0.3's ParamGroupConfig rule)."""
         import amsp_dtensor as amsp
 
         self.model_parts = model_parts
-        self.optimizers = [amsp.AMSPOptimizer(m, optimizer_cls, **optimizer_kwargs)
-                           for m in model_parts]
+        self.optimizers = [
+            amsp.AMSPOptimizer(m, optimizer_cls, **optimizer_kwargs,
+                               param_groups=_groups_by_pattern(m, param_groups))
+            for m in model_parts]
         # While torchtitan loads a checkpoint: each part's residual entry fitted to it
         # (state_dict() offers these), and why the others start from zero
         self._fitted: dict[str, dict] | None = None
@@ -155,6 +162,32 @@ class AmspOptimizers:
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 logger.warning(f"[amsp] {why}")
         self._residuals_reset = {}
+
+
+def _groups_by_pattern(model: nn.Module, patterns: list[tuple[str, dict]] | None):
+    """AMSPOptimizer's param_groups of ``model`` for [(regex, kwargs)]: each trainable
+    parameter in the group of the first regex found in its name; a regex that finds none
+    raises as torchtitan's own container does, and so does a parameter no regex finds."""
+    if patterns is None:
+        return None
+    groups = [{"params": [], **kwargs} for _, kwargs in patterns]
+    compiled = [re.compile(pattern) for pattern, _ in patterns]
+    unmatched = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            first = next((i for i, c in enumerate(compiled) if c.search(name)), None)
+            if first is None:
+                unmatched.append(clean_fqn(name))
+            else:
+                groups[first]["params"].append(param)
+    if unmatched:
+        raise ValueError(f"no optimizer param_groups pattern matches {', '.join(unmatched[:3])}"
+                         f"{', ...' if len(unmatched) > 3 else ''}: end the list with a "
+                         "catch-all pattern '.*'")
+    for (pattern, _), group in zip(patterns, groups):
+        if not group["params"]:
+            raise ValueError(f"Optimizer param_groups pattern '{pattern}' matched no parameters")
+    return groups
 
 
 def refuse_part_keyed(path, metadata) -> None:

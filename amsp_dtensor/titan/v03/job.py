@@ -20,20 +20,28 @@ from ..validate import OPTIMIZER_NAMES
 CATCH_ALL = (".*", r".*", "")
 
 
-def optimizer_of(optimizer_config) -> tuple[str, dict, str]:
-    """(optimizer name, its kwargs, implementation) of a 0.3 OptimizersContainer.Config
-    that has one parameter group matching every parameter, as AMSP's optimizer builds one
-    optimizer over all of a unit's parameters."""
+def optimizer_of(optimizer_config) -> tuple[str, dict, str, list | None]:
+    """(optimizer name, its kwargs, implementation, param groups) of a 0.3
+    OptimizersContainer.Config. One group matching every parameter (default_adamw's) is
+    (its name, its kwargs, ..., None). Several are [(pattern, the group's kwargs)], matched
+    as torchtitan matches them (first pattern wins), with the kwargs each group names and
+    no shared ones; their optimizer is the one they all name, or, where Adam and AdamW
+    mix, Adam with each group's ``decoupled_weight_decay`` (torch's AdamW is Adam with
+    ``decoupled_weight_decay=True``: the same update, element for element)."""
     groups = list(optimizer_config.param_groups)
-    if len(groups) != 1 or groups[0].pattern not in CATCH_ALL:
-        patterns = [g.pattern for g in groups]
-        raise AmspConfigError(
-            f"optimizer.param_groups={patterns!r}: AMSP builds one optimizer over all "
-            "parameters; give one parameter group with pattern \".*\" (as default_adamw does)")
-    group = groups[0]
-    if group.optimizer_name not in OPTIMIZER_NAMES:
-        raise AmspConfigError(
-            f"optimizer.name={group.optimizer_name!r}: AMSP supports {', '.join(OPTIMIZER_NAMES)}")
+    if not groups:
+        raise AmspConfigError("optimizer.param_groups is empty: give at least one group "
+                              "(default_adamw's matches every parameter)")
+    for group in groups:
+        if group.optimizer_name not in OPTIMIZER_NAMES:
+            raise AmspConfigError(
+                f"optimizer.name={group.optimizer_name!r}"
+                + ("" if len(groups) == 1 else f" (param group {group.pattern!r})")
+                + f": AMSP supports {', '.join(OPTIMIZER_NAMES)}")
+        if "decoupled_weight_decay" in group.optimizer_kwargs:
+            raise AmspConfigError(
+                f"optimizer param group {group.pattern!r} sets decoupled_weight_decay: name "
+                "the optimizer instead (AdamW decouples the weight decay, Adam does not)")
     if optimizer_config.implementation not in ("for-loop", "foreach", "fused"):
         raise AmspConfigError(
             f"optimizer.implementation={optimizer_config.implementation!r}: AMSP keeps fp32 "
@@ -42,7 +50,25 @@ def optimizer_of(optimizer_config) -> tuple[str, dict, str]:
         raise AmspConfigError(
             "optimizer.optimizer_factory_kwargs_by_name: AMSP builds torch.optim's Adam/AdamW "
             "itself and takes no factory arguments; leave it empty")
-    return group.optimizer_name, dict(group.optimizer_kwargs), optimizer_config.implementation
+    if len(groups) == 1 and groups[0].pattern in CATCH_ALL:
+        return (groups[0].optimizer_name, _kwargs(groups[0]),
+                optimizer_config.implementation, None)
+    names = {g.optimizer_name for g in groups}
+    if len(names) == 1:
+        return names.pop(), {}, optimizer_config.implementation, [
+            (g.pattern, _kwargs(g)) for g in groups]
+    return "Adam", {}, optimizer_config.implementation, [
+        (g.pattern, dict(_kwargs(g), decoupled_weight_decay=g.optimizer_name == "AdamW"))
+        for g in groups]
+
+
+def _kwargs(group) -> dict:
+    """A ParamGroupConfig's optimizer kwargs as torch takes them (betas a tuple: a config
+    read from the command line gives a list)."""
+    kwargs = dict(group.optimizer_kwargs)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
 
 
 def ac_mode(ac_config) -> str:
@@ -130,7 +156,7 @@ class _Parallelism:
 
 def job_view(config) -> types.SimpleNamespace:
     """``config`` (an AmspTrainer.Config) as ``titan.validate`` reads a job."""
-    name, kwargs, implementation = optimizer_of(config.optimizer)
+    name, kwargs, implementation, _ = optimizer_of(config.optimizer)
     spec = config.model_spec
     view = types.SimpleNamespace(
         amsp=config.amsp,

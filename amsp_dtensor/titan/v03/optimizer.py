@@ -2,9 +2,9 @@
 
 A Configurable component as 0.3 declares them: ``AmspOptimizersContainer.Config`` is 0.3's
 ``OptimizersContainer.Config`` (param groups, implementation), and ``config.build(
-model_parts=...)``, which 0.3's Trainer calls, builds this container. AMSP runs one
-optimizer over all of a unit's parameters: one parameter group matching every
-parameter, Adam or AdamW (v03.job.optimizer_of refuses anything else in one line).
+model_parts=...)``, which 0.3's Trainer calls, builds this container: one AMSPOptimizer per
+model part, holding 0.3's parameter groups (Adam and AdamW, each group with its own
+kwargs; v03.job.optimizer_of refuses anything else in one line).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ class AmspOptimizersContainer(AmspOptimizers, OptimizersContainer):
         pass
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        name, kwargs, implementation = optimizer_of(config)
+        name, kwargs, implementation, groups = optimizer_of(config)
         kwargs = dict(kwargs, fused=implementation == "fused",
                       foreach=implementation == "foreach")
-        if "betas" in kwargs:
-            kwargs["betas"] = tuple(kwargs["betas"])
-        all_params = self._build_amsp_optimizers(model_parts, OPTIMIZER_CLASSES[name], kwargs)
+        all_params = self._build_amsp_optimizers(model_parts, OPTIMIZER_CLASSES[name], kwargs,
+                                                 groups)
         compat.titan03_optimizers_container_post_init(self, all_params)
 
 
