@@ -16,6 +16,9 @@ DTensor's random init depends on the layout). Same seed, same data, fp32, 20 ste
 - MoE: deepseek_v3 with expert parallelism 2 against torchtitan 0.3's own FSDP2 + EP, from
   the same weights, 3 (dense plan, expert plan) pairs, 10 steps, every step within 1e-5
   (qwen3 by TITAN03_MOE_MODELS); the expert refusals, the same lines as 0.2.2's;
+- parameter groups: three ParamGroupConfig groups mixing AdamW and Adam, AMSP (2, 2, 4)
+  against torchtitan 0.3's own FSDP2 with the same groups, 5 steps within 1e-4; the
+  mapping and its one-line refusals;
 - TensorBoard holds the AMSP scalars; under int8 gradients a resumed job restores the
   error-feedback residuals; plan = "auto" trains; per-block compile (aot_eager) gives
   torchtitan's losses;
