@@ -37,13 +37,16 @@ def _build(plan, reshard_after_forward=None):
     return model
 
 
-def _train(model, optim, rank, world, steps, first_step=0, recorder=None):
+def _train(model, optim, rank, world, steps, first_step=0, recorder=None, max_norm=None):
+    """One micro-batch per step (clipped to ``max_norm`` when given); the mean losses."""
     losses = []
     for step in range(first_step, first_step + steps):
         mb = local_micro_batch(global_batches(step, world, 1, model.cfg), rank, world, 0)
         with amsp.record_comms(recorder) if recorder is not None else contextlib.nullcontext():
             loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
             loss.backward()
+            if max_norm is not None:
+                optim.clip_grad_norm_(max_norm)
             optim.step()
             optim.zero_grad()
         total = loss.detach().reshape(1)

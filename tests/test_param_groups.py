@@ -11,7 +11,6 @@ from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,14 +23,12 @@ from amsp_dtensor.testing.scenarios import (
     MAX_NORM,
     OPTIMIZERS,
     amsp_training,
-    global_batches,
-    local_micro_batch,
     make_model,
     param_groups,
     plan_mesh,
     reference_training,
 )
-from amsp_dtensor.testing.tiny_llama import loss_fn
+from extra_cases import _train as extra_train
 
 pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
                                 reason="multi-process")
@@ -65,19 +62,8 @@ def _build(plan, optimizer="adamw_groups", groups=True, **overrides):
 
 
 def _train(model, optim, rank, steps):
-    """One micro-batch per step, clipped as reference_training clips; the mean losses."""
-    losses = []
-    for step in steps:
-        mb = local_micro_batch(global_batches(step, WORLD, 1, model.cfg), rank, WORLD, 0)
-        loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
-        loss.backward()
-        optim.clip_grad_norm_(MAX_NORM)
-        optim.step()
-        optim.zero_grad()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(total.item() / WORLD)
-    return losses
+    """Steps ``steps`` (a range), clipped as reference_training clips; the mean losses."""
+    return extra_train(model, optim, rank, WORLD, len(steps), steps.start, max_norm=MAX_NORM)
 
 
 def checkpoint_case(rank, world):
@@ -229,3 +215,32 @@ def test_groups_by_fqn_after_refusals(results):
     for r in results.get("bad groups"):
         assert r["group_sizes"] == [5, 16]
         assert _rel(r["losses"], ref["losses"]) <= TOL, (r["losses"], ref["losses"])
+
+
+def test_regex_groups_first_match_wins_and_torchtitans_errors():
+    """torchtitan's param_groups patterns (0.3's ParamGroupConfig) as AMSPOptimizer groups:
+    the first regex found in a parameter's name wins, frozen parameters are left out, and a
+    parameter no pattern finds or a pattern that finds none stop with one line."""
+    from amsp_dtensor.titan.amsp_optimizers import _groups_by_pattern
+
+    model = make_model(torch.float32)
+    model.tok_embeddings.weight.requires_grad_(False)
+    groups = _groups_by_pattern(model, [(r"norm\.", {"lr": 1.0}), (r"attention", {}),
+                                        (r".*", {"weight_decay": 0.0})])
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = [sorted(names[id(p)] for p in g["params"]) for g in groups]
+    want = [[], [], []]
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            want[0 if "norm." in n else 1 if "attention" in n else 2].append(n)
+    assert got == [sorted(w) for w in want] and all(want)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [
+        {"lr": 1.0}, {}, {"weight_decay": 0.0}]
+    with pytest.raises(ValueError, match=r"^no optimizer param_groups pattern matches "
+                       r"layers\.0\.attention\.\w+\.weight, .*: end the list with a "
+                       r"catch-all pattern '\.\*'$"):
+        _groups_by_pattern(model, [(r"^output", {}),
+                                   (r"layers\.\d+\.(feed_forward|\w*norm)", {})])
+    with pytest.raises(ValueError, match=r"^Optimizer param_groups pattern 'tok_emb' "
+                       "matched no parameters$"):  # tok_embeddings is frozen
+        _groups_by_pattern(model, [("tok_emb", {}), (".*", {})])

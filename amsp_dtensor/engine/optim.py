@@ -43,6 +43,7 @@ import contextlib
 import enum
 import inspect
 import math
+import re
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,23 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= size
     return tuple(reversed(stride))
+
+
+def param_groups_by_regex(named, patterns) -> tuple[list[dict], list[str]]:
+    """Torch param groups ``[{"params": [...], **options}]`` for ``patterns`` ([(regex,
+    options)]), each of ``named``'s (name, param) pairs in the group of the first regex
+    found in its name (``re.search``; torchtitan 0.3's ParamGroupConfig rule), and the
+    names no regex finds. Callers decide what an unmatched name or an empty group means."""
+    compiled = [re.compile(pattern) for pattern, _ in patterns]
+    groups = [{"params": [], **options} for _, options in patterns]
+    unmatched = []
+    for name, param in named:
+        first = next((i for i, c in enumerate(compiled) if c.search(name)), None)
+        if first is None:
+            unmatched.append(name)
+        else:
+            groups[first]["params"].append(param)
+    return groups, unmatched
 
 
 def _resolve_groups(model: nn.Module, fqns: list[str], param_groups, optimizer_class
@@ -782,11 +800,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
         inner indices of its parameters: the checkpoint must group the parameters as this
         optimizer does (torch's rule); its hyperparameters (lr, ...) are restored."""
         by_fqn = {fqn: g for g in saved for fqn in g["params"]}
-        master_of = {id(p): j for j, p in enumerate(self._opt_params)}
-        groups = []
-        for group in self.inner.param_groups:
-            indices = [master_of[id(p)] for p in group["params"]]
-            fqns = [self._fqns[j] for j in indices]
+        groups, start = [], 0
+        for group in self.inner.param_groups:  # built in self._order: group g is a slice
+            inner = range(start, start + len(group["params"]))
+            start = inner.stop
+            fqns = [self._fqns[self._order[k]] for k in inner]
             match = by_fqn.get(fqns[0])
             if match is None or set(match["params"]) != set(fqns):
                 raise ValueError(
@@ -794,7 +812,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     f"one: its group of {fqns[0]!r} holds "
                     f"{len(match['params']) if match else 0} parameters, this one's "
                     f"{len(fqns)}; build AMSPOptimizer with the param_groups it was saved with")
-            groups.append(dict(match, params=[self._inner_index[j] for j in indices]))
+            groups.append(dict(match, params=list(inner)))
         return groups
 
     @staticmethod

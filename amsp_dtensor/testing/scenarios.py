@@ -4,11 +4,11 @@ reference on the same global batch."""
 from __future__ import annotations
 
 import contextlib
-import re
 
 import torch
 import torch.distributed as dist
 
+from ..engine.optim import param_groups_by_regex
 from .tiny_llama import TinyLlama, TinyLlamaConfig, loss_fn
 
 SEQ_LEN = 16
@@ -43,10 +43,8 @@ def param_groups(named, optimizer: str) -> list[dict] | None:
     spec = PARAM_GROUPS.get(optimizer)
     if spec is None:
         return None
-    groups = [{"params": [], **options} for _, options in spec]
-    for name, param in named:
-        first = next(i for i, (pattern, _) in enumerate(spec) if re.search(pattern, name))
-        groups[first]["params"].append(param)
+    groups, unmatched = param_groups_by_regex(named, spec)
+    assert not unmatched, unmatched  # every spec ends with a catch-all
     return groups
 
 

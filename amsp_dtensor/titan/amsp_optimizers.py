@@ -10,7 +10,6 @@ before its own OptimizersContainer and adds only how it is built.
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Any
 
@@ -22,6 +21,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools.logging import logger
 
 from ..checkpoint import CheckpointMismatch, fit_residuals, residual_entry, restore_residuals
+from ..engine.optim import param_groups_by_regex
 from .validate import OPTIMIZER_NAMES
 from .weights import clean_fqn
 
@@ -170,19 +170,12 @@ def _groups_by_pattern(model: nn.Module, patterns: list[tuple[str, dict]] | None
     raises as torchtitan's own container does, and so does a parameter no regex finds."""
     if patterns is None:
         return None
-    groups = [{"params": [], **kwargs} for _, kwargs in patterns]
-    compiled = [re.compile(pattern) for pattern, _ in patterns]
-    unmatched = []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            first = next((i for i, c in enumerate(compiled) if c.search(name)), None)
-            if first is None:
-                unmatched.append(clean_fqn(name))
-            else:
-                groups[first]["params"].append(param)
+    groups, unmatched = param_groups_by_regex(
+        ((n, p) for n, p in model.named_parameters() if p.requires_grad), patterns)
     if unmatched:
-        raise ValueError(f"no optimizer param_groups pattern matches {', '.join(unmatched[:3])}"
-                         f"{', ...' if len(unmatched) > 3 else ''}: end the list with a "
+        names = [clean_fqn(n) for n in unmatched]
+        raise ValueError(f"no optimizer param_groups pattern matches {', '.join(names[:3])}"
+                         f"{', ...' if len(names) > 3 else ''}: end the list with a "
                          "catch-all pattern '.*'")
     for (pattern, _), group in zip(patterns, groups):
         if not group["params"]:
