@@ -20,17 +20,21 @@ from test_titan import _main, losses, save_seed_checkpoint, scalars, torchrun
 
 STEPS = int(os.environ.get("AMSP_TITAN_MOE_STEPS", "3"))
 REL_TOL = 1e-5
+RUN_S = 600 + 120 * STEPS  # a run's time limit: qwen3 takes about 50 s a step here
 # torchtitan's MoE debug flavors at sequence length 64 (the same routing and collectives as
 # at 256, a quarter of the tokens: CPU time). qwen3 debugmodel_moe: 8 layers, 64 experts,
 # 8 per token; deepseek_v3 debugmodel: a dense first layer, then MoE layers with a shared
-# expert and the load-balancing expert bias.
+# expert and the load-balancing expert bias. Both with fp32 experts: deepseek_v3 takes
+# torchtitan's for-loop experts off Hopper GPUs by itself; qwen3's grouped experts compute
+# in bf16 (on CPU too), so its fp32 flavor (amsp_dtensor.testing.fp32_experts) sets the
+# same for-loop path, for torchtitan's run and AMSP's alike.
 MODELS = {
-    "qwen3": ("--model.flavor", "debugmodel_moe", "--training.seq_len", "64"),
+    "qwen3": ("--model.flavor", "debugmodel_moe_fp32", "--training.seq_len", "64",
+              "--experimental.custom_import", "amsp_dtensor.testing.fp32_experts"),
     "deepseek_v3": ("--model.flavor", "debugmodel", "--training.seq_len", "64"),
 }
-# the models CI compares (AMSP_TITAN_MOE_MODELS=qwen3,deepseek_v3 for both): deepseek_v3,
-# whose CPU experts run in fp32 (about 40 s a run of 3 steps here); qwen3's run in bf16
-# grouped matmuls (torchtitan's own, on CPU too) at about 30 s a step
+# the models CI compares (AMSP_TITAN_MOE_MODELS=qwen3,deepseek_v3 for both): deepseek_v3
+# (about 40 s a run of 3 steps here); qwen3 takes about 50 s a step
 RUN_MODELS = os.environ.get("AMSP_TITAN_MOE_MODELS", "deepseek_v3").split(",")
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.steps", str(STEPS)]
 # (dense plan, expert plan) on 4 ranks, 2 per node; under ep 2 the expert world is 2 ranks,
@@ -69,7 +73,7 @@ def reference(tmp_path_factory):
             seed = save_seed_checkpoint(tmp_path_factory.mktemp(f"{model}_seed"),
                                         ("--model.name", model, *flags))
             dump = tmp_path_factory.mktemp(f"{model}_titan")
-            torchrun(["--model.name", model, *flags, *EP2, *_load(seed)], dump, timeout=900)
+            torchrun(["--model.name", model, *flags, *EP2, *_load(seed)], dump, timeout=RUN_S)
             runs[model] = seed, losses(dump)
         return runs[model]
 
@@ -82,7 +86,7 @@ def test_moe_loss_matches_torchtitan_fsdp2_ep(model, pair, reference, tmp_path):
     dense, expert = PAIRS[pair]
     seed, want = reference(model)
     torchrun(["--model.name", f"{model}_amsp", *MODELS[model], *EP2, *_plan(dense, expert),
-              *_load(seed)], tmp_path, timeout=900)
+              *_load(seed)], tmp_path, timeout=RUN_S)
     got = losses(tmp_path)
     assert len(got) == len(want) == STEPS
     # it trains (not a comparison of flat lines): deepseek_v3's debug flavor at this
@@ -102,7 +106,7 @@ def test_plan_auto_chooses_both_plans_and_matches_torchtitan(reference, tmp_path
     seed."""
     seed, want = reference("deepseek_v3")
     proc = torchrun(["--model.name", "deepseek_v3_amsp", *MODELS["deepseek_v3"], *EP2,
-                     "--amsp.plan", "auto", *_load(seed)], tmp_path, timeout=900)
+                     "--amsp.plan", "auto", *_load(seed)], tmp_path, timeout=RUN_S)
     line = next(ln for ln in (proc.stdout + proc.stderr).splitlines()
                 if '[amsp] plan = "auto": the planner chose ' in ln)
     chosen = line.split("the planner chose ", 1)[1]
@@ -196,3 +200,31 @@ def test_expert_refusals_are_one_line_before_start_up(argv, world, local, starts
     assert code == 2
     assert len(err) == 1, err
     assert err[0].startswith("amsp_dtensor.train: error: " + starts_with), err[0]
+
+
+def test_the_fp32_flavor_is_qwen3s_own_with_for_loop_experts():
+    """The qwen3 flavor the parity runs use (amsp_dtensor.testing.fp32_experts): torchtitan's
+    debugmodel_moe with the routed experts on torchtitan's own for-loop path, nothing else
+    changed, and the fp32 output of torchtitan's GroupedExperts on that path."""
+    import dataclasses
+
+    import torch
+
+    import amsp_dtensor.testing.fp32_experts  # noqa: F401  (first: the CPU shims; the flavors)
+    from torchtitan.models.moe.moe import GroupedExperts
+    from torchtitan.models.qwen3 import qwen3_args
+
+    base, fp32 = qwen3_args["debugmodel_moe"], qwen3_args["debugmodel_moe_fp32"]
+    assert base.moe_args.use_grouped_mm and not fp32.moe_args.use_grouped_mm
+    assert dataclasses.replace(fp32, moe_args=base.moe_args) == base
+    assert "debugmodel_fp32" not in qwen3_args  # dense flavors have no experts to change
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=8, hidden_dim=16, num_experts=3,
+                             use_grouped_mm=fp32.moe_args.use_grouped_mm)
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w)
+    x, counts = torch.randn(10, 8, dtype=torch.float64), torch.tensor([4, 0, 6])
+    out = experts.double()(x, counts)
+    want = torch.cat([(torch.nn.functional.silu(xe @ experts.w1[e].T) * (xe @ experts.w3[e].T))
+                      @ experts.w2[e].T for e, xe in zip((0, 2), (x[:4], x[4:]))])
+    assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-12, atol=0)
