@@ -30,9 +30,6 @@ from amsp_dtensor.testing.scenarios import (
 )
 from extra_cases import _train as extra_train
 
-pytestmark = pytest.mark.skipif(os.environ.get("AMSP_SKIP_MULTIPROC") == "1",
-                                reason="multi-process")
-
 WORLD, PER_NODE, STEPS, MICRO_BATCHES = 4, 2, 4, 2
 PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
 ADAFACTOR_PLANS = [(1, 1, 4), (2, 2, 2)]
@@ -131,6 +128,11 @@ def bad_groups_case(rank, world):
     cls, kwargs = OPTIMIZERS["adamw_norms"]
     by_name = param_groups([(n, n) for n, _ in model.named_parameters()], "adamw_norms")
     optim = amsp.AMSPOptimizer(model, cls, param_groups=by_name, **kwargs)
+    try:
+        optim.add_param_group({"params": [], "lr": 1.0})
+        errors["add_param_group"] = None
+    except ValueError as e:
+        errors["add_param_group"] = str(e)
     return {"errors": errors, "losses": _train(model, optim, rank, range(2)),
             "group_sizes": [len(g["params"]) for g in optim.param_groups]}
 
@@ -150,6 +152,8 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def results():
+    if os.environ.get("AMSP_SKIP_MULTIPROC") == "1":
+        pytest.skip("multi-process")
     return run_cases(_cases(), WORLD, PER_NODE)
 
 
@@ -213,6 +217,9 @@ def test_groups_by_fqn_after_refusals(results):
     as single-process torch.optim with the same groups."""
     ref = reference_training(WORLD, 1, 2, torch.float32, optimizer="adamw_norms")
     for r in results.get("bad groups"):
+        assert r["errors"]["add_param_group"] == (
+            "AMSPOptimizer.add_param_group: the groups are fixed when the optimizer is built; "
+            "pass every group in param_groups=[...]")
         assert r["group_sizes"] == [5, 16]
         assert _rel(r["losses"], ref["losses"]) <= TOL, (r["losses"], ref["losses"])
 

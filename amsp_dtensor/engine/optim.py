@@ -320,12 +320,21 @@ class AMSPOptimizer(torch.optim.Optimizer):
         else:
             self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
         super().__init__(self._opt_params, self.inner.defaults)
+        self._groups_fixed = True  # add_param_group refuses from here on
         # One source of truth: schedulers and users edit the wrapped optimizer's groups.
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._inner_state = InnerState.FRESH
         self._limited_groups: dict = {}  # _groups_limited_to's lists, by (units, groups)
         self._root.bind_optimizer(overlap_param_update)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, while ``__init__`` builds; afterwards refused: each parameter's fp32
+        master and OS shard are built for its group (and the checkpoint keys on that)."""
+        if getattr(self, "_groups_fixed", False):
+            raise ValueError("AMSPOptimizer.add_param_group: the groups are fixed when the "
+                             "optimizer is built; pass every group in param_groups=[...]")
+        super().add_param_group(param_group)
 
     @property
     def overlap_param_update(self) -> bool:

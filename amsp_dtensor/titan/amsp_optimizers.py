@@ -172,14 +172,14 @@ def _groups_by_pattern(model: nn.Module, patterns: list[tuple[str, dict]] | None
         return None
     groups, unmatched = param_groups_by_regex(
         ((n, p) for n, p in model.named_parameters() if p.requires_grad), patterns)
+    for (pattern, _), group in zip(patterns, groups):  # torchtitan's check, first
+        if not group["params"]:
+            raise ValueError(f"Optimizer param_groups pattern '{pattern}' matched no parameters")
     if unmatched:
         names = [clean_fqn(n) for n in unmatched]
         raise ValueError(f"no optimizer param_groups pattern matches {', '.join(names[:3])}"
                          f"{', ...' if len(names) > 3 else ''}: end the list with a "
                          "catch-all pattern '.*'")
-    for (pattern, _), group in zip(patterns, groups):
-        if not group["params"]:
-            raise ValueError(f"Optimizer param_groups pattern '{pattern}' matched no parameters")
     return groups
 
 

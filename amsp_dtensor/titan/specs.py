@@ -18,8 +18,9 @@ Importing ``amsp_dtensor.titan`` registers the variants of torchtitan's dense LL
 ``[experimental] custom_import`` registered). With ``python -m torchtitan.train``, call
 ``register_amsp_variant("<name>")`` from your own custom_import module.
 
-MoE flavors, and loss parallel with a loss other than cross-entropy, are refused before
-any process group exists (``check_model``): one line.
+An expert setting the MoE flavor cannot take (expert parallelism or ``[amsp] expert_*``
+factors that do not fit it, or on a dense flavor) and loss parallel with a loss other than
+cross-entropy are refused before any process group exists (``check_model``): one line.
 """
 
 from __future__ import annotations
