@@ -500,12 +500,17 @@ def test_expert_refusals_are_one_line_before_start_up_on_03(argv, line):
 # torchtitan's own (``--model.name deepseek_v3``: parallelize_deepseekv3, one fully_shard
 # per block with the routed experts on its efsdp mesh) and AMSP (``deepseek_v3_amsp``:
 # torchtitan's EP on the AMSP expert mesh, the experts a unit of their own under the
-# expert plan), 4 ranks as 2 simulated nodes x 2, ep 2, fp32 (the routed experts' grouped
-# matmuls are bf16 in torchtitan 0.3, on CPU too), from the same weights (a checkpoint of
-# one rank, --checkpoint.initial_load_path, model only), the loss of every step within
-# 1e-5 relative. TITAN03_MOE_STEPS (10), TITAN03_MOE_MODELS (deepseek_v3; qwen3 by hand:
-# its debugmodel_moe is slow on CPU), TITAN03_MOE_PAIRS ("all" or a comma-separated list).
-# .ci/titan03.sh --moe runs them.
+# expert plan), 4 ranks as 2 simulated nodes x 2, ep 2, fp32, from the same weights (a
+# checkpoint of one rank, --checkpoint.initial_load_path, model only), the loss of every
+# step within 1e-5 relative. TITAN03_MOE_STEPS (10), TITAN03_MOE_MODELS (deepseek_v3;
+# qwen3 by hand: its debugmodel_moe is slow on CPU), TITAN03_MOE_PAIRS ("all" or a
+# comma-separated list). .ci/titan03.sh --moe runs them.
+# torchtitan 0.3's routed experts compute in bf16 (GroupedExperts casts to bf16 for
+# torch._grouped_mm, on CPU too). deepseek_v3 stays within 1e-5 with them; qwen3 (64
+# experts, 8 per token) drifts to 1e-4 by step 8, torchtitan's own EP 1 against its EP 2
+# by more, so its runs (both sides) swap in FP32_MOE_ENTRIES' experts: the same module in
+# the model's dtype, as 0.2.2's for-loop experts (torch._grouped_mm has no fp32 backward
+# on CPU).
 MOE_STEPS = int(os.environ.get("TITAN03_MOE_STEPS", "10"))
 MOE_REL_TOL = 1e-5
 MOE_MODELS = {  # sequence length 64: the same routing and collectives, CPU time
@@ -531,6 +536,95 @@ def _initial_weights(saved) -> list[str]:
             "--checkpoint.interval", "1000"]
 
 
+FP32_MOE_MODELS = {"qwen3"}
+FP32_MOE_ENTRIES = """
+import os
+import shlex
+from dataclasses import dataclass, fields, is_dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from amsp_dtensor.titan.v03 import toml_config  # first: the CPU shims torchtitan imports need
+from torchtitan.models.common.moe import GroupedExperts
+
+
+class Fp32GroupedExperts(GroupedExperts):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x, num_tokens_per_expert):
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        counts = num_tokens_per_expert.tolist()
+        rows = sum(counts)  # the rows after them: EP's padding, zeros out
+        out = [(F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+               for e, xe in enumerate(torch.split(x[:rows], counts))]
+        return torch.cat([*out, x.new_zeros(x.shape[0] - rows, w2.shape[1])])
+
+
+def _fp32(config) -> int:
+    # swap every GroupedExperts.Config under config for the fp32 one; how many
+    swapped = 0
+    for f in fields(config):
+        value = getattr(config, f.name)
+        for i, item in (enumerate(value) if isinstance(value, list) else [(None, value)]):
+            if isinstance(item, GroupedExperts.Config):
+                item = Fp32GroupedExperts.Config(
+                    **{g.name: getattr(item, g.name) for g in fields(item) if g.init})
+                if i is None:
+                    setattr(config, f.name, item)
+                else:
+                    value[i] = item
+                swapped += 1
+            elif is_dataclass(item) and not isinstance(item, type):
+                swapped += _fp32(item)
+    return swapped
+
+
+def moe():
+    argv = ["--job.config_file", RECIPE, *shlex.split(os.environ["AMSP_TEST_MOE_FLAGS"])]
+    config = toml_config.build(toml_config.read(argv)[0])
+    if not _fp32(config.model_spec.model):
+        raise ValueError("no GroupedExperts.Config in the model config to make fp32")
+    return config
+
+
+def moe_param_groups():
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel_moe_param_groups
+
+    config = moe()  # torchtitan's qwen3_debugmodel_moe_param_groups' three groups
+    config.optimizer.param_groups = qwen3_debugmodel_moe_param_groups().optimizer.param_groups
+    return config
+"""
+
+
+def _moe_torchrun(model: str, args: list[str], dump, nproc: int = 4, entry: str = "moe"):
+    """``torchrun`` of the MoE runs: the TOML flags ``args``; for FP32_MOE_MODELS through
+    FP32_MOE_ENTRIES' ``entry`` (``--module/--config``, the same TOML flags) with fp32
+    experts."""
+    env = MOE_ENV.get(model)
+    if model not in FP32_MOE_MODELS:
+        return torchrun(args, dump, nproc=nproc, timeout=MOE_RUN_S, env=env)
+    import shlex
+    entries = dump.parent / f"{dump.name}_entries"
+    entries.mkdir()
+    (entries / "fp32_moe_entries.py").write_text(
+        FP32_MOE_ENTRIES.replace("RECIPE", repr(str(RECIPE))))
+    flags = ["--job.dump_folder", str(dump), *args]
+    proc = subprocess.run(
+        ["timeout", str(MOE_RUN_S), sys.executable, "-m", "torch.distributed.run",
+         "--nproc_per_node", str(nproc), "--standalone", "-m", "amsp_dtensor.train",
+         "--module", "fp32_moe_entries", "--config", entry],
+        cwd=REPO, capture_output=True, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", AMSP_TEST_MOE_FLAGS=shlex.join(flags),
+                 PYTHONPATH=os.pathsep.join([str(REPO), str(entries)]), **(env or {})))
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return proc
+
+
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     """model -> (a checkpoint of its weights, torchtitan 0.3's own FSDP2 + EP 2 losses from
@@ -543,15 +637,15 @@ def moe_reference(tmp_path_factory):
         if model not in runs:
             flags = ("--model.name", model, *MOE_MODELS[model])
             seed = tmp_path_factory.mktemp(f"{model}_weights")
-            env = MOE_ENV.get(model)
-            torchrun([*flags, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                      "--parallelism.data_parallel_shard_degree", "1",
-                      "--training.steps", "1"], seed, nproc=1, timeout=MOE_RUN_S, env=env)
+            _moe_torchrun(model, [*flags, "--checkpoint.enable",
+                                  "--checkpoint.create_seed_checkpoint",
+                                  "--parallelism.data_parallel_shard_degree", "1",
+                                  "--training.steps", "1"], seed, nproc=1)
             saved = sorted((seed / "checkpoint").iterdir())[0]
             assert saved.name == "step-0", saved  # a seed, not a trained step
             dump = tmp_path_factory.mktemp(f"{model}_titan_ep2")
-            proc = torchrun([*flags, *EP2, "--training.steps", str(MOE_STEPS),
-                             *_initial_weights(saved)], dump, timeout=MOE_RUN_S, env=env)
+            proc = _moe_torchrun(model, [*flags, *EP2, "--training.steps", str(MOE_STEPS),
+                                         *_initial_weights(saved)], dump)
             runs[model] = saved, losses(dump), proc.stdout + proc.stderr
         return runs[model]
 
@@ -563,12 +657,11 @@ def moe_reference(tmp_path_factory):
 def test_moe_loss_matches_torchtitan_03_fsdp2_ep(model, pair, moe_reference, tmp_path):
     dense, expert = MOE_PAIRS[pair]
     saved, want, titan_log = moe_reference(model)
-    proc = torchrun(["--model.name", f"{model}_amsp", *MOE_MODELS[model], *EP2,
-                     "--training.steps", str(MOE_STEPS), *_moe_plan(dense, expert),
-                     *_initial_weights(saved)], tmp_path, timeout=MOE_RUN_S,
-                    env=MOE_ENV.get(model))
+    proc = _moe_torchrun(model, ["--model.name", f"{model}_amsp", *MOE_MODELS[model], *EP2,
+                                 "--training.steps", str(MOE_STEPS), *_moe_plan(dense, expert),
+                                 *_initial_weights(saved)], tmp_path / "amsp")
     log = proc.stdout + proc.stderr
-    got = losses(tmp_path)
+    got = losses(tmp_path / "amsp")
     print(f"\n{model} {pair}: step, torchtitan 0.3 FSDP2 + EP 2, AMSP, relative difference")
     for step, (a, b) in enumerate(zip(got, want), start=1):
         print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
@@ -581,9 +674,70 @@ def test_moe_loss_matches_torchtitan_03_fsdp2_ep(model, pair, moe_reference, tmp
     far = [(s, a, b) for s, (a, b) in enumerate(zip(got, want), start=1)
            if abs(a - b) > MOE_REL_TOL * abs(b)]
     assert not far, (model, pair, far)
-    tb = scalars(tmp_path)  # the experts' plan and bytes are reported on their own
+    tb = scalars(tmp_path / "amsp")  # the experts' plan and bytes are reported on their own
     assert tb["amsp/expert_s_os"][1] == expert[2] and tb["amsp/s_os"][1] == dense[2]
     assert tb["memory_by_state/expert/param(MiB)"][1] > 0
+
+
+def test_the_fp32_experts_are_every_moe_layers_and_compute_in_fp32(tmp_path, monkeypatch):
+    """FP32_MOE_ENTRIES, in this process: every MoE layer of qwen3 debugmodel_moe gets the
+    fp32 experts, whose output equals the float64 SwiGLU of each expert's rows, with EP's
+    padding rows (after the counted ones) zero; the one-group and the grouped entries
+    differ in their optimizer only."""
+    import importlib
+    import sys as _sys
+
+    import torch
+
+    (tmp_path / "fp32_moe_entries.py").write_text(
+        FP32_MOE_ENTRIES.replace("RECIPE", repr(str(RECIPE))))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("AMSP_TEST_MOE_FLAGS", "--model.name qwen3_amsp "
+                       "--model.flavor debugmodel_moe --training.seq_len 64")
+    _sys.modules.pop("fp32_moe_entries", None)
+    entries = importlib.import_module("fp32_moe_entries")
+    config, grouped = entries.moe(), entries.moe_param_groups()
+    layers = config.model_spec.model.layers
+    assert {type(layer.moe.routed_experts.inner_experts) for layer in layers} == {
+        entries.Fp32GroupedExperts.Config} and len(layers) == 8
+    assert len(config.optimizer.param_groups) == 1 and len(grouped.optimizer.param_groups) == 3
+    experts = entries.Fp32GroupedExperts.Config(dim=8, hidden_dim=16, num_experts=3).build()
+    torch.manual_seed(0)
+    for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
+        torch.nn.init.normal_(w)
+    x = torch.randn(12, 8, dtype=torch.float64)  # 10 rows counted, 2 of EP's padding
+    out = experts.double()(x, torch.tensor([4, 0, 6]))
+    w1, w2, w3 = experts.w1_EFD, experts.w2_EDF, experts.w3_EFD
+    want = torch.cat([(torch.nn.functional.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+                      for e, xe in ((0, x[:4]), (2, x[4:10]))])
+    assert out.dtype == torch.float64 and torch.equal(out[10:], torch.zeros(2, 8))
+    assert torch.allclose(out[:10], want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.skipif("qwen3" not in MOE_RUN_MODELS, reason="qwen3 MoE: TITAN03_MOE_MODELS")
+def test_qwen3_moe_param_groups_match_torchtitan_03s_own(moe_reference, tmp_path):
+    """torchtitan 0.3's qwen3_debugmodel_moe_param_groups (three groups: embeddings and
+    head AdamW without decay, the routers' gates Adam at lr 1e-4, the rest AdamW) at ep 2
+    on 4 ranks (the feature list's entry adds tp 2, which AMSP refuses with EP): AMSP under
+    p2-g2-os4 with experts p1-g1-os2 against torchtitan's own FSDP2 + EP with the same
+    groups, from the same weights, MOE_STEPS steps within 1e-4 relative; the groups change
+    training (the one-group run differs)."""
+    saved, one_group, _ = moe_reference("qwen3")
+    runs = {}
+    for name, model in (("titan", "qwen3"), ("amsp", "qwen3_amsp")):
+        plan = _moe_plan((2, 2, 4), (1, 1, 2)) if name == "amsp" else []
+        _moe_torchrun("qwen3", ["--model.name", model, *MOE_MODELS["qwen3"], *EP2, *plan,
+                                "--training.steps", str(MOE_STEPS), *_initial_weights(saved)],
+                      tmp_path / name, entry="moe_param_groups")
+        runs[name] = losses(tmp_path / name)
+    got, want = runs["amsp"], runs["titan"]
+    print("\nqwen3 param groups: step, torchtitan 0.3, AMSP, relative difference")
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    assert len(got) == len(want) == MOE_STEPS
+    assert all(abs(a - b) <= REL_TOL * abs(b) for a, b in zip(got, want)), (got, want)
+    assert any(abs(a - b) > 10 * REL_TOL * abs(b) for a, b in zip(want, one_group)), (
+        want, one_group)
 
 
 def test_plan_auto_with_experts_picks_both_plans_and_matches_torchtitan_03(moe_reference,
