@@ -342,6 +342,12 @@ def fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
     module._set_unshard_async_op(async_op)
 
 
+def fsdp_unshard_async_op(module: nn.Module) -> bool:
+    """Whether this unit's all-gathers are issued async (``fsdp_set_unshard_async_op``)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return bool(group is not None and group.unshard_async_op)
+
+
 def fsdp_copy_in_stream(module: nn.Module):
     """The stream FSDP2 copies a unit's shards on before all-gathering them (its
     all-gather input); None before lazy init."""

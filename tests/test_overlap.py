@@ -96,6 +96,17 @@ def test_last_gradient_stages_stay_in_flight_until_step(runs, plan):
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=IDS)
+def test_all_gathers_are_async_on_cpu_with_data_parallelism_alone(runs, plan):
+    """Prefetch on: every FSDP unit all-gathers async on CPU (the model communicates on no
+    other group); off: none does. (TP, EP and pipelines keep them synchronous: their own
+    tests.) A plan with P unsharded has no FSDP unit."""
+    fsdp = ShardingPlan(*plan).resolve(WORLD, PER_NODE).s_p > 1
+    for rank in range(WORLD):
+        assert runs.get((plan, "all"))[rank]["async_all_gathers"] == ([True] if fsdp else [])
+        assert runs.get((plan, "none"))[rank]["async_all_gathers"] == ([False] if fsdp else [])
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=IDS)
 def test_recorded_wait_times(runs, plan):
     """Every recorded collective has 0 <= blocked <= issue-to-completion;
     with every overlap off each of the engine's own collectives is waited for at once."""

@@ -143,6 +143,10 @@ def test_matches_single_process(worlds, references, world, rpn, plan):
     for other in results[1:]:  # every rank saw the same losses and global norm
         assert other[(rpn, plan)]["losses"] == got["losses"]
         assert other[(rpn, plan)]["norms"] == got["norms"]
+    # TP's collectives run on the training thread: FSDP2's all-gathers stay synchronous
+    # on CPU (engine/overlap.py, Note: async all-gathers on CPU)
+    fsdp = ShardingPlan(*plan).resolve(world // TP, rpn // TP).s_p > 1
+    assert all(r[(rpn, plan)]["async_all_gathers"] == ([False] if fsdp else []) for r in results)
 
 
 @pytest.mark.parametrize("world,rpn,plan", CASES, ids=IDS)

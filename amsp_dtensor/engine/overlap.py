@@ -8,8 +8,9 @@ Four overlaps, each with its own switch so that its effect can be measured alone
 - ``prefetch`` (model): explicit FSDP2 prefetch, set from the order in which the units'
   forwards first ran: each unit all-gathers the next one in forward and the previous one
   in backward. On CPU, where FSDP2 has no streams, the all-gathers are also made async
-  (only then does a prefetched all-gather run while the current unit computes); on CUDA
-  FSDP2's own streams overlap them. Off: FSDP2's defaults (implicit backward prefetch).
+  (only then does a prefetched all-gather run while the current unit computes), except
+  where the model runs collectives of its own (the Note on async all-gathers on CPU); on
+  CUDA FSDP2's own streams overlap them. Off: FSDP2's defaults (implicit backward prefetch).
 - ``step`` (model): per-unit optimizer step for elementwise optimizers (optim.py's
   [Note: per-unit step]): the units are updated in a few batches, in issue order, each
   as soon as its own gradients have landed, and their post-step all-gathers are issued
@@ -61,6 +62,28 @@ def set_overlap(
     return root_state(model).set_overlap(**{k: v for k, v in given.items() if v is not None})
 
 
+# [Note: async all-gathers on CPU]
+# Without streams, a prefetched all-gather overlaps the current unit's compute only if it
+# is issued async (FSDP2's private ``_set_unshard_async_op``): gloo then runs it on its own
+# thread while the training thread computes. The engine does so only where nothing else
+# communicates on the training thread during forward and backward, i.e. data parallelism
+# alone. With tensor parallelism (TP's functional collectives), expert parallelism (EP's
+# all-to-alls) or a pipeline (its stages' sends and receives), the training thread waits
+# on collectives of other groups while FSDP2's all-gathers are in flight on gloo's
+# threads; two multi-dimensional runs once died in native code in such a wait under load
+# (docs/reliability.md), and no cause was found, so those layouts keep FSDP2's synchronous
+# all-gathers on CPU: prefetch there only orders the all-gathers, as on FSDP2's defaults.
+# CUDA is unaffected (FSDP2's streams overlap, never this switch).
+
+
+def async_all_gathers(info, prefetch: bool) -> bool:
+    """Whether the FSDP units of a root over ``info`` (its MeshInfo) issue their
+    all-gathers async: [Note: async all-gathers on CPU]."""
+    infos = [info, *((info.expert,) if info.expert else ())]
+    model_collectives = info.pp_mesh is not None or any(i.tp > 1 for i in infos)
+    return prefetch and info.mesh.device_type == "cpu" and not model_collectives
+
+
 def apply_prefetch(root) -> None:
     """Set (or clear) FSDP2's explicit prefetch lists of every FSDP unit of ``root`` (a
     root.RootState, which calls this)."""
@@ -68,7 +91,7 @@ def apply_prefetch(root) -> None:
         return
     fsdp_units = [unit for unit in root.forward_order if unit.uses_fsdp]
     on = root.overlap.prefetch
-    async_all_gather = on and root.info.mesh.device_type == "cpu"
+    async_all_gather = async_all_gathers(root.info, on)
     for index, unit in enumerate(fsdp_units):
         after = fsdp_units[index + 1:index + 2] if on else []
         before = fsdp_units[max(index - 1, 0):index] if on else []

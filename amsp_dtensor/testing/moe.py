@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .scenarios import (MAX_NORM, OPTIMIZERS, full_weights, global_batches,
+from .scenarios import (MAX_NORM, OPTIMIZERS, async_all_gathers, full_weights, global_batches,
                         micro_batch_backwards)
 from .tiny_llama import loss_fn
 from .tiny_moe import TinyMoE, TinyMoEConfig, expert_parallelize
@@ -159,7 +159,7 @@ def moe_training(rank, world_size, dense, expert, ep, steps, micro_batches=2,
               for group in ("dense", "expert")}
     weights = full_weights(model)
     return {"losses": losses, "norms": norms, "weights": weights if rank == 0 else None,
-            "memory": memory, "events": events}
+            "memory": memory, "events": events, "async_all_gathers": async_all_gathers(model)}
 
 
 def reference_training(world_size, steps, micro_batches=2):

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .scenarios import LR, MAX_NORM, MICRO_BATCH, full_weights, global_batches, make_model
+from .scenarios import (LR, MAX_NORM, MICRO_BATCH, async_all_gathers, full_weights,
+                        global_batches, make_model)
 from .tiny_llama import TinyLlama, loss_fn
 
 
@@ -155,7 +156,8 @@ def pipeline_training(rank, world_size, plan, schedule, steps, micro_batches, pp
     for index in mine:
         weights.update(full_weights(parts[index]))
     return {"losses": losses, "norms": norms, "weights": weights if dp_rank == 0 else None,
-            "events": events, "stages": mine, "units": units}
+            "events": events, "stages": mine, "units": units,
+            "async_all_gathers": async_all_gathers(*(parts[index] for index in mine))}
 
 
 def pipeline_mesh_layout(rank, world_size, plan, pp=2):

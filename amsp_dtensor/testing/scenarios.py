@@ -96,6 +96,16 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def async_all_gathers(*roots) -> list[bool]:
+    """The distinct settings of FSDP2's async all-gather over the FSDP units of ``roots``
+    (engine/overlap.py, Note: async all-gathers on CPU), sorted."""
+    from amsp_dtensor import compat
+    from amsp_dtensor.engine.handle import root_state
+
+    return sorted({compat.fsdp_unshard_async_op(unit.module) for root in roots
+                   for unit in root_state(root).units if unit.uses_fsdp})
+
+
 def full_state(model, optim) -> dict:
     """{"weights": every parameter whole, "optim": every optimizer state whole, keyed
     "<fqn>.<state>"} (a collective: every rank calls it, every rank gets them)."""
@@ -278,6 +288,7 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
         "events": events,
         "timings": timings,
         "in_flight_after_backward": in_flight_after_backward,
+        "async_all_gathers": async_all_gathers(model),
     }
 
 

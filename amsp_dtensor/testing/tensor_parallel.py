@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .scenarios import (
     MAX_NORM,
     OPTIMIZERS,
+    async_all_gathers,
     full_weights,
     global_batches,
     local_micro_batch,
@@ -107,4 +108,5 @@ def tp_training(rank, world_size, plan, tp, ranks_per_node, micro_batches, steps
         "step_weights": step_weights if rank == 0 else None,
         "memory": memory,
         "events": events,
+        "async_all_gathers": async_all_gathers(model),
     }
