@@ -9,7 +9,7 @@ from .plan.cost.planner import NoPlanFits
 from .plan.cost.planner import choose_plan as auto_plan
 from .engine.grad import no_sync, set_gradient_divide_factor
 from .engine.layouts import G_PLACEMENTS, OS_PLACEMENTS, P_PLACEMENTS, gather_full
-from .engine.mesh import expert_mesh, init_mesh
+from .engine.mesh import context_parallel_mesh, expert_mesh, init_mesh
 from .engine.recorder import CommEvent, CommRecorder, record_comms
 from .observe.backward_memory import track_backward_memory
 from .observe.memory import memory_by_state
@@ -40,6 +40,7 @@ __all__ = [
     "enumerate_plans",
     "fully_shard",
     "gather_full",
+    "context_parallel_mesh",
     "expert_mesh",
     "init_mesh",
     "clip_grad_norm_",

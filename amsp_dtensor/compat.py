@@ -155,6 +155,10 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
     ("torch.distributed._functional_collectives", "all_to_all_single"),
     ("torch", "ops._c10d_functional.all_to_all_single.default"),
+    ("torch", "ops._c10d_functional.all_gather_into_tensor.default"),
+    ("torch", "ops._c10d_functional.reduce_scatter_tensor.default"),
+    ("torch.distributed.tensor.experimental._context_parallel._cp_custom_ops",
+     "flex_cp_allgather"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
@@ -550,11 +554,49 @@ def torch_dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
-def functional_all_to_all_op():
-    """The aten-level op of a functional all-to-all (``all_to_all_single`` and, forward and
-    backward, ``all_to_all_single_autograd``): what a dispatch mode sees of expert
-    parallelism's token exchange."""
-    return torch.ops._c10d_functional.all_to_all_single.default
+def model_collective_ops() -> dict:
+    """The ops a dispatch mode sees of a model's own collectives, each -> (the recorder's op
+    name, whether its buffer is the input or the gathered output, the indices of its
+    tensor arguments, the index and keyword of its group name):
+
+    - functional all-to-alls (``all_to_all_single`` and, forward and backward,
+      ``all_to_all_single_autograd``): expert parallelism's token exchange;
+    - functional all-gathers and reduce-scatters;
+    - torch's context-parallel K/V exchange for FlexAttention (``flex_cp_allgather``:
+      all-gathers of K and V over the sequence; its backward reduce-scatters their
+      gradients), a custom op the mode sees whole (torchtitan's apply_cp_to_forward)."""
+    funcol = torch.ops._c10d_functional
+    ops = {
+        funcol.all_to_all_single.default: ("all_to_all", "input", (0,), 3, "group_name"),
+        funcol.all_gather_into_tensor.default: ("all_gather", "output", (0,), 2, "group_name"),
+        funcol.reduce_scatter_tensor.default: ("reduce_scatter", "input", (0,), 3, "group_name"),
+    }
+    cp = _flex_cp_ops()
+    if cp is not None:
+        gather, scatter = cp
+        ops[gather] = ("all_gather", "output", (0, 1), 3, "pg_name")
+        ops[scatter] = ("reduce_scatter", "input", (0, 1), 3, "pg_name")
+    return ops
+
+
+def _flex_cp_ops():
+    """(flex_cp_allgather, its backward) as ops, or None where torch has no such op."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _cp_custom_ops  # noqa: F401
+    except ImportError:
+        return None
+    return (torch.ops.cplib.flex_cp_allgather.default,
+            torch.ops.cplib.flex_cp_allgather_backward.default)
+
+
+def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, seq_dim: int, group):
+    """K and V gathered over ``group`` along ``seq_dim``, differentiable (the backward
+    reduce-scatters their gradients): torch's context-parallel K/V exchange for
+    FlexAttention, as torchtitan's apply_cp_to_forward uses it."""
+    from torch.distributed.tensor.experimental._context_parallel._cp_custom_ops import (
+        flex_cp_allgather as gather)
+
+    return gather(k.contiguous(), v.contiguous(), seq_dim, group.group_name)
 
 
 def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:

@@ -45,6 +45,17 @@ world. A grouped expert weight [experts, ...] split by EP as Shard(0) on "ep" an
 on the rows of its EP-local piece reads as Shard(0) on "ep", then "p", "g", "os": the
 TP nesting rule again. ``MeshInfo.mp_dim`` names that first dim ("tp" or "ep"), and the
 expert mesh records its collectives as "expert_p", "expert_g", ... (``label``).
+
+[Note: context parallelism] Context parallelism (CP, degree cp) splits each sequence over
+cp consecutive data-parallel ranks with the same tp index: each computes the gradients of
+its part of the sequence from the same weights, so for the engine the cp ranks are
+data-parallel ranks like any other. The plan's factors range over the data-parallel world
+with the cp ranks in it (W / pp / tp), its node rules apply to that world, and the
+gradients are averaged over it (each rank's loss is the mean over its equal share of the
+tokens). What CP adds is the model's own exchange of keys and values over the cp group,
+``MeshInfo.cp_mesh`` (``amsp.context_parallel_mesh``): cp consecutive DP ranks, inside a
+node when cp divides the node's DP ranks, else over whole nodes, as torchtitan's
+(pp, dp_replicate, dp_shard, cp, tp) mesh places them (DP rank d = outer * cp + c).
 """
 
 from __future__ import annotations
@@ -68,9 +79,10 @@ MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
 PP_DIM = "pp"
 EP_DIM = "ep"
+CP_DIM = "cp"
 
-__all__ = ["EP_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM", "expert_mesh", "init_mesh", "MeshInfo",
-           "mesh_info"]
+__all__ = ["CP_DIM", "EP_DIM", "MESH_DIMS", "PP_DIM", "TP_DIM", "context_parallel_mesh",
+           "expert_mesh", "init_mesh", "MeshInfo", "mesh_info"]
 
 
 @dataclass
@@ -92,6 +104,10 @@ class MeshInfo:
     label_prefix: str = ""  # EXPERT_DIM_PREFIX on an expert mesh (what the recorder names)
     # on a dense mesh built with ep > 1 or an expert_plan: the expert mesh's MeshInfo
     expert: "MeshInfo | None" = None
+    # context-parallel degree, and this rank's 1-D "cp" mesh (the Note on context
+    # parallelism); None when cp is 1
+    cp: int = 1
+    cp_mesh: DeviceMesh | None = None
     _groups: dict = field(default_factory=dict)
     _crosses_nodes: dict = field(default_factory=dict)
 
@@ -239,6 +255,7 @@ def init_mesh(
     pp: int = 1,
     ep: int = 1,
     expert_plan: ShardingPlan | ResolvedPlan | None = None,
+    cp: int = 1,
 ) -> DeviceMesh:
     """Build the AMSP DeviceMesh for ``plan`` over the default process group.
 
@@ -261,6 +278,10 @@ def init_mesh(
     experts over (its "ep" dim) and to shard them on. ``expert_plan`` defaults to
     ``plan`` read on the expert world (a ShardingPlan's names, such as "node", resolve
     there; ints must fit it).
+    ``cp``: the context-parallel degree (the Note on context parallelism): cp ranks share
+    P, G and OS with the data-parallel ranks, so the plan's factors range over both
+    (world / pp / tp ranks); ``amsp.context_parallel_mesh(mesh)`` is the 1-D mesh to split
+    the sequence and exchange K/V over.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -276,17 +297,68 @@ def init_mesh(
     _check_tp(tp, ranks_per_node, world_size)
     dp_world, dp_per_node = world_size // tp, ranks_per_node // tp
     resolved = _resolved(plan, "plan", dp_world, dp_per_node, tp, pp)
-    # every check before the first group is made: a bad ep or expert plan leaves nothing
+    # every check before the first group is made: a bad ep, expert plan or cp leaves nothing
     expert = _resolved_expert(plan, expert_plan, ep, dp_world, dp_per_node, tp, pp)
+    _check_cp(cp, dp_world, dp_per_node, expert is not None)
     device_type = device_type or _default_device_type()
     dims = (job_world, job_per_node, pp)
     info = _build(resolved, device_type, *dims, tp, TP_DIM, "")
+    if cp > 1:
+        info.cp, info.cp_mesh = cp, _cp_mesh(device_type, job_world, pp, tp, cp)
+        # the model's K/V exchange over "cp" (the recorder's Note on the model's collectives)
+        watch_group(info.cp_mesh, info.cp_mesh.get_group(), CP_DIM, cp,
+                    info.group_crosses_nodes(info.cp_mesh.get_group()))
     if expert is not None:
         info.expert = _build(expert, device_type, *dims, ep, EP_DIM, EXPERT_DIM_PREFIX)
         if ep > 1:  # the model's token all-to-alls over "ep" (the recorder's Note)
             watch_group(info.expert.mesh, info.expert.group(EP_DIM), EP_DIM, ep,
                         info.expert.crosses_nodes(EP_DIM))
     return info.pp_mesh or info.mesh
+
+
+def context_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D "cp" mesh of a mesh made by ``init_mesh(plan, cp=N)``: the cp consecutive
+    data-parallel ranks that split one sequence (hand it to torch's context parallelism,
+    or torchtitan's ``apply_cp_to_forward``)."""
+    info = mesh_info(mesh)
+    if info.cp_mesh is None:
+        raise ValueError("this mesh has no context-parallel dim: build it with "
+                         "amsp.init_mesh(plan, cp=N)")
+    return info.cp_mesh
+
+
+def _check_cp(cp, dp_world: int, dp_per_node: int, experts: bool) -> None:
+    """cp divides the data-parallel world, and its groups (consecutive data-parallel
+    ranks) fit in a node or span whole nodes."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int (the context-parallel degree), got {cp!r}")
+    if cp == 1:
+        return
+    if dp_world % cp:
+        raise ValueError(f"cp={cp} does not divide the {dp_world} data-parallel ranks: choose "
+                         f"a divisor of {dp_world}")
+    if dp_per_node % cp and cp % dp_per_node:
+        raise ValueError(
+            f"cp={cp} with {dp_per_node} data-parallel ranks per node: a cp group (consecutive "
+            "ranks) must fit in a node or span whole nodes; choose cp dividing, or a multiple "
+            f"of, {dp_per_node}")
+    if experts:
+        raise ValueError(f"cp={cp} with expert parallelism or an expert plan is not supported "
+                         "yet; use cp=1 or a dense model")
+
+
+def _cp_mesh(device_type: str, job_world: int, pp: int, tp: int, cp: int) -> DeviceMesh:
+    """This rank's 1-D "cp" mesh: each cp group is cp consecutive data-parallel ranks of
+    one stage with the same tp index (ranks d * tp + t, d = outer * cp + c), as
+    torchtitan's (pp, dp_replicate, dp_shard, cp, tp) mesh places them. Every group is
+    made on every rank (group creation is collective)."""
+    stage_world = job_world // pp
+    groups = [[s * stage_world + (outer * cp + c) * tp + t for c in range(cp)]
+              for s in range(pp) for outer in range(stage_world // tp // cp) for t in range(tp)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    ranks = dist.get_process_group_ranks(mine)
+    return DeviceMesh.from_group(mine, device_type, mesh=torch.tensor(ranks),
+                                 mesh_dim_names=(CP_DIM,))
 
 
 def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -68,9 +68,9 @@ def set_overlap(
 # thread while the training thread computes. The engine does so only where nothing else
 # communicates on the training thread during forward and backward, i.e. data parallelism
 # alone. With tensor parallelism (TP's functional collectives), expert parallelism (EP's
-# all-to-alls) or a pipeline (its stages' sends and receives), the training thread waits
-# on collectives of other groups while FSDP2's all-gathers are in flight on gloo's
-# threads; two multi-dimensional runs once died in native code in such a wait under load
+# all-to-alls), context parallelism (the K/V exchange) or a pipeline (its stages' sends
+# and receives), the training thread waits on collectives of other groups while FSDP2's
+# all-gathers are in flight on gloo's threads; two multi-dimensional runs once died in native code in such a wait under load
 # (docs/reliability.md), and no cause was found, so those layouts keep FSDP2's synchronous
 # all-gathers on CPU: prefetch there only orders the all-gathers, as on FSDP2's defaults.
 # CUDA is unaffected (FSDP2's streams overlap, never this switch).
@@ -80,7 +80,8 @@ def async_all_gathers(info, prefetch: bool) -> bool:
     """Whether the FSDP units of a root over ``info`` (its MeshInfo) issue their
     all-gathers async: [Note: async all-gathers on CPU]."""
     infos = [info, *((info.expert,) if info.expert else ())]
-    model_collectives = info.pp_mesh is not None or any(i.tp > 1 for i in infos)
+    model_collectives = (info.pp_mesh is not None or info.cp > 1
+                         or any(i.tp > 1 for i in infos))
     return prefetch and info.mesh.device_type == "cpu" and not model_collectives
 
 

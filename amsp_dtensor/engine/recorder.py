@@ -111,15 +111,18 @@ def record_comms(recorder: CommRecorder | None = None,
 
 
 # [Note: the model's own collectives]
-# Expert parallelism's token all-to-alls belong to the model (torchtitan's ExpertParallel,
-# or testing/tiny_moe.py), not to the engine: functional collectives
-# (all_to_all_single for the token counts, all_to_all_single_autograd for the tokens and,
-# in backward, their gradients) over the expert mesh's "ep" group. mesh.py watches that
-# group when it builds an expert mesh; while something records, a dispatch mode sees
-# every functional all-to-all and records those over a watched group as CommEvents of
-# that dim ("ep"), with the byte convention above (the input buffer) and phase "forward"
-# or "backward" (activation checkpointing's recomputation counts as backward, as the
-# bytes it moves do). They are untimed: the model waits for them, not the engine.
+# Expert parallelism's token all-to-alls and context parallelism's K/V exchange belong to
+# the model (torchtitan's ExpertParallel and apply_cp_to_forward, or testing/tiny_moe.py
+# and testing/tiny_llama.py), not to the engine: functional collectives (all_to_all_single
+# for the token counts, all_to_all_single_autograd for the tokens and, in backward, their
+# gradients) over the expert mesh's "ep" group, and torch's flex_cp_allgather (K and V
+# all-gathered over the sequence; in backward their gradients reduce-scattered) over the
+# "cp" group. mesh.py watches those groups when it builds them; while something records,
+# a dispatch mode sees every such op (compat.model_collective_ops) and records those over
+# a watched group as CommEvents of that dim ("ep", "cp"), with the byte convention above
+# and phase "forward" or "backward" (activation checkpointing's recomputation counts as
+# backward, as the bytes it moves do). They are untimed: the model waits for them, not
+# the engine.
 # Opt-in (``record_comms(model_collectives=True)``: the tests, the simulation): a dispatch
 # mode runs Python at every op of the step, and torch.compile compiles no frame under one
 # ("found no compiled frames ... non-infra torch dispatch mode present"), so the
@@ -148,19 +151,22 @@ class _ModelCollectives(compat.torch_dispatch_mode_base()):
     def __init__(self, recorder: CommRecorder):
         super().__init__()
         self.recorder = recorder
-        self.all_to_all = compat.functional_all_to_all_op()
+        self.ops = compat.model_collective_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is self.all_to_all:
-            # (input, output_split_sizes, input_split_sizes, group_name)
-            name = (kwargs or {}).get("group_name", args[3] if len(args) > 3 else None)
+        how = self.ops.get(func)
+        if how is not None:
+            op, buffer, tensors, at, keyword = how
+            name = (kwargs or {}).get(keyword, args[at] if len(args) > at else None)
             seen = _watched.get(name)
             if seen is not None:
                 dim, size, inter = seen
                 phase = "backward" if compat.in_backward() else "forward"
-                self.recorder.add(CommEvent("all_to_all", dim, size,
-                                            args[0].numel() * args[0].element_size(),
-                                            inter, phase))
+                scale = size if buffer == "output" else 1  # the byte convention above
+                for index in tensors:
+                    t = args[index]
+                    self.recorder.add(CommEvent(op, dim, size, t.numel() * t.element_size()
+                                                * scale, inter, phase))
         return func(*args, **(kwargs or {}))
 
 

@@ -292,16 +292,20 @@ def amsp_training(rank, world_size, plan, dtype, micro_batches, steps, record_st
     }
 
 
-def micro_batch_backwards(model, batch, rank, world_size, micro_batches):
+def micro_batch_backwards(model, batch, rank, world_size, micro_batches, seq_chunk=(0, 1)):
     """Forward and backward of each micro-batch of one step, all but the last under
-    ``amsp.no_sync`` (DDP's convention); yields (index, micro-batch, scaled loss) after each."""
+    ``amsp.no_sync`` (DDP's convention); yields (index, micro-batch, scaled loss) after each.
+    ``seq_chunk`` (c, n): this rank trains chunk c of n equal chunks of each sequence
+    (context parallelism; ``rank`` and ``world_size`` are then those of the batch's split)."""
     import amsp_dtensor as amsp
 
+    c, n = seq_chunk
     for micro in range(micro_batches):
         mb = local_micro_batch(batch, rank, world_size, micro)
+        inputs, targets = (part.chunk(n, dim=1)[c] for part in (mb[:, :-1], mb[:, 1:]))
         last = micro == micro_batches - 1
         with contextlib.nullcontext() if last else amsp.no_sync(model):
-            loss = loss_fn(model(mb[:, :-1]), mb[:, 1:]) / micro_batches
+            loss = loss_fn(model(inputs), targets) / micro_batches
             loss.backward()
         yield micro, mb, loss
 

@@ -35,11 +35,13 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    # x: [b, h, t, d]; rotary embedding computed on the fly (no buffers to shard)
+def _rope(x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    # x: [b, h, t, d] at positions start .. start + t - 1; rotary embedding computed on the
+    # fly (no buffers to shard)
     t, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)
+    positions = torch.arange(start, start + t, dtype=torch.float32, device=x.device)
+    freqs = torch.outer(positions, inv)
     cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -53,6 +55,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.cp_mesh = None  # context_parallelize
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -60,8 +63,25 @@ class Attention(nn.Module):
         # -1 heads: under tensor parallelism wq/wk/wv give this rank's heads only
         q, k, v = (w(x).view(b, t, -1, head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        if self.cp_mesh is None:
+            out = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        else:
+            out = self._context_parallel(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _context_parallel(self, q, k, v):
+        """This rank holds positions [c t, (c + 1) t) of each sequence (chunk c of cp):
+        K and V of the whole sequence are gathered over the cp group, as torchtitan's
+        apply_cp_to_forward does for FlexAttention, and each query sees the keys at or
+        before its position."""
+        from amsp_dtensor import compat
+
+        t, c = q.shape[2], self.cp_mesh.get_local_rank()
+        start = c * t
+        keys, values = compat.flex_cp_allgather(_rope(k, start), v, 2, self.cp_mesh.get_group())
+        causal = (torch.arange(start, start + t, device=q.device)[:, None]
+                  >= torch.arange(keys.shape[2], device=q.device)[None, :])
+        return F.scaled_dot_product_attention(_rope(q, start), keys, values, attn_mask=causal)
 
 
 class FeedForward(nn.Module):
@@ -107,6 +127,15 @@ class TinyLlama(nn.Module):
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def context_parallelize(model: TinyLlama, cp_mesh) -> TinyLlama:
+    """Context parallelism over the 1-D ``cp_mesh``: each rank is then fed chunk
+    ``cp_mesh.get_local_rank()`` of every sequence (cp equal, contiguous chunks), and the
+    attention exchanges keys and values over it (Attention._context_parallel)."""
+    for block in model.layers:
+        block.attention.cp_mesh = cp_mesh
+    return model
 
 
 def tensor_parallelize(model: TinyLlama, tp_mesh) -> TinyLlama:

@@ -18,7 +18,9 @@ unit U with padded(U, s) = e * sum_params s*ceil(d0/s)*cols (cost/padding.py):
 
 With experts (mixture of experts): the expert units' schedule is the same on the expert
 plan over the expert world (predicted_expert_events), and expert parallelism adds its
-token all-to-alls over "ep" (predicted_ep_events).
+token all-to-alls over "ep" (predicted_ep_events). With context parallelism the cp ranks
+are data-parallel ranks of the plan (the schedule above over the world with them in it),
+and the model exchanges keys and values over "cp" (predicted_cp_events).
 
 Compression (opt-in, ``compression=Compression(grads=, weights=)``, plan/compression.py):
 only a stage whose group spans nodes, and whose dtype the codec applies to, changes;
@@ -63,6 +65,7 @@ __all__ = [
     "dim_group",
     "predicted_events",
     "predicted_expert_events",
+    "predicted_cp_events",
     "predicted_ep_events",
     "error_feedback_elements",
     "event_counter",
@@ -318,11 +321,12 @@ def predicted_expert_events(
 
 
 def _ep_comm(op: str, ep: int, dp_ranks_per_node: int, nbytes: int, phase: str,
-             count: int) -> PlannedComm:
-    """A collective over the "ep" group: ep consecutive data-parallel ranks, inside a node
-    when ep divides the node's data-parallel ranks, else over ep / (those ranks) nodes."""
+             count: int, dim: str = "ep") -> PlannedComm:
+    """A collective over the "ep" group (or the "cp" group: ``dim``): ep consecutive
+    data-parallel ranks, inside a node when ep divides the node's data-parallel ranks, else
+    over ep / (those ranks) nodes."""
     nodes = 1 if dp_ranks_per_node % ep == 0 else ep // dp_ranks_per_node
-    return PlannedComm(op, "ep", ep, int(nbytes), nodes > 1, phase, count, -1, 1, nodes)
+    return PlannedComm(op, dim, ep, int(nbytes), nodes > 1, phase, count, -1, 1, nodes)
 
 
 def predicted_ep_events(
@@ -366,6 +370,41 @@ def predicted_ep_events(
     ]
     if recompute:
         out.append(_ep_comm("all_to_all", ep, dp_ranks_per_node, counts, "backward", M * L))
+    return out
+
+
+def predicted_cp_events(
+    cp: int,
+    dp_ranks_per_node: int,
+    layers: int,
+    samples: int,
+    seq_len: int,
+    kv_dim: int,
+    micro_batches: int,
+    dtype_bytes: int,
+    recompute: bool = False,
+) -> list[PlannedComm]:
+    """Context parallelism's own K/V exchange over "cp" in one step (M micro-batches), as
+    torchtitan's apply_cp_to_forward issues it for FlexAttention (torch's
+    flex_cp_allgather) per attention layer and micro-batch (``samples``: sequences per
+    rank and micro-batch, of ``seq_len`` tokens whole; ``kv_dim``: kv heads x head dim;
+    activations of ``dtype_bytes``):
+
+      forward   K and V all-gathered over the sequence: samples * seq_len * kv_dim * e
+                each (the gathered buffer, the recorder's convention)                 x2
+      backward  their gradients reduce-scattered, the same bytes                      x2
+
+    ``recompute`` (full activation checkpointing): backward runs each block's forward
+    again, its two all-gathers with it. None with cp 1."""
+    if cp <= 1 or layers == 0:
+        return []
+    M, L = int(micro_batches), int(layers)
+    kv = int(samples) * int(seq_len) * int(kv_dim) * int(dtype_bytes)
+    out = [_ep_comm("all_gather", cp, dp_ranks_per_node, kv, "forward", 2 * M * L, "cp"),
+           _ep_comm("reduce_scatter", cp, dp_ranks_per_node, kv, "backward", 2 * M * L, "cp")]
+    if recompute:
+        out.append(_ep_comm("all_gather", cp, dp_ranks_per_node, kv, "backward", 2 * M * L,
+                            "cp"))
     return out
 
 

@@ -240,12 +240,18 @@ def root_activation_bytes_per_token(model: ModelShape, e: int, norm: str = "comp
 
 def block_activation_bytes(
     model: ModelShape, seq_len: int, micro_batch: int, e: int, attention: str = "flash",
-    norm: str = "composite", tp: int = 1,
+    norm: str = "composite", tp: int = 1, cp: int = 1,
 ) -> int:
     """Bytes autograd saves in one block for one micro-batch on one TP rank: with tp = 1,
     tokens x block_activation_bytes_per_token; with tp > 1 the norms' own tensors on T/t
     tokens, the gathered inputs of the attention and FFN linears (e*h each) on all T, the
-    rest with the rank's heads and FFN columns (module docstring)."""
+    rest with the rank's heads and FFN columns (module docstring). cp > 1: the rank holds
+    seq_len / cp tokens of each sequence, but its attention saves K and V gathered over
+    the whole sequence (context parallelism's K/V all-gather, _cp_gathered_kv)."""
+    local = _cp_local(seq_len, cp)
+    if cp > 1:
+        return (block_activation_bytes(model, local, micro_batch, e, attention, norm, tp)
+                + _cp_gathered_kv(model, seq_len, micro_batch, e, attention, tp, cp))
     tokens = seq_len * micro_batch
     if tp == 1:
         return tokens * block_activation_bytes_per_token(model, seq_len, e, attention, norm)
@@ -261,6 +267,28 @@ def block_activation_bytes(
     sequence_shard = tokens // tp
     return (sequence_shard * 2 * _norm_own_bytes(h, e, norm)
             + tokens * (2 * e * h + attn + 4 * e * f))
+
+
+def _cp_local(seq_len: int, cp: int) -> int:
+    """The tokens of each sequence one cp rank holds."""
+    if cp < 1 or seq_len % cp:
+        raise ValueError(f"cp={cp} must divide seq_len={seq_len} (each cp rank holds "
+                         "seq_len / cp tokens)")
+    return seq_len // cp
+
+
+def _cp_gathered_kv(model: ModelShape, seq_len: int, micro_batch: int, e: int,
+                    attention: str, tp: int, cp: int) -> int:
+    """What one block's attention saves beyond a seq_len / cp sequence under context
+    parallelism: K and V of the rank's kv heads gathered over the whole sequence (2*e*h_kv
+    per token of the other cp ranks) and, with math attention, its queries' scores and
+    probabilities over the other ranks' keys (2*e*a per query and key)."""
+    local = seq_len // cp
+    heads, hkv = model.n_heads // tp, model.kv_heads // tp * model.head_dim
+    extra = micro_batch * (seq_len - local) * 2 * e * hkv
+    if attention == "math":
+        extra += micro_batch * local * (seq_len - local) * 2 * e * heads
+    return extra
 
 
 def root_activation_bytes(
@@ -284,17 +312,19 @@ def root_activation_bytes(
 def activation_bytes(
     model: ModelShape, seq_len: int, micro_batch: int, mixed_precision: str = "bf16",
     activation_checkpointing: str = "none", attention: str = "flash", norm: str = "composite",
-    tp: int = 1, loss_parallel: bool = True,
+    tp: int = 1, loss_parallel: bool = True, cp: int = 1,
 ) -> int:
-    """Saved activations of one micro-batch at the start of its backward (one TP rank)."""
+    """Saved activations of one micro-batch at the start of its backward (one TP rank; cp:
+    the context-parallel degree, each rank holding seq_len / cp tokens of a sequence)."""
     e = _dtype_bytes(mixed_precision)
-    root = root_activation_bytes(model, seq_len, micro_batch, e, norm, tp, loss_parallel)
+    local = _cp_local(seq_len, cp)
+    root = root_activation_bytes(model, local, micro_batch, e, norm, tp, loss_parallel)
     if activation_checkpointing == "none":
-        block = block_activation_bytes(model, seq_len, micro_batch, e, attention, norm, tp)
+        block = block_activation_bytes(model, seq_len, micro_batch, e, attention, norm, tp, cp)
         return model.n_layers * block + root
     if activation_checkpointing == "full":
         # each block's input: a sequence shard under TP (the residual stream is Shard(1))
-        return model.n_layers * _checkpointed_input(model, seq_len, micro_batch, e, tp) + root
+        return model.n_layers * _checkpointed_input(model, local, micro_batch, e, tp) + root
     raise ValueError(
         f"activation_checkpointing={activation_checkpointing!r}; use 'none' or 'full'"
     )
@@ -309,12 +339,13 @@ def temp_bytes(
     model: ModelShape, plan: ResolvedPlan, seq_len: int, micro_batch: int,
     mixed_precision: str = "bf16", activation_checkpointing: str = "none",
     attention: str = "flash", norm: str = "composite", reshard_after_forward=True,
-    reduce_dtype: str | None = None, tp: int = 1, loss_parallel: bool = True,
+    reduce_dtype: str | None = None, tp: int = 1, loss_parallel: bool = True, cp: int = 1,
 ) -> int:
     """Peak temporary buffers in backward, net of the activations already freed at that
     moment (so states + activations + temp is the backward's peak): the largest of the
     moments in the Note below. tp: the TP degree (plan is then the data-parallel plan and
-    every unit holds its TP-local shapes)."""
+    every unit holds its TP-local shapes); cp: the context-parallel degree (seq_len / cp
+    tokens of each sequence on this rank)."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     units = model.unit_param_shapes(tp)
@@ -323,7 +354,8 @@ def temp_bytes(
     root = units[model.root_unit_index]
     others = [u for i, u in enumerate(units) if i != model.root_unit_index]
     block = max(others, key=lambda u: padded_numel(u, plan.s_p))
-    tokens = seq_len * micro_batch
+    local = _cp_local(seq_len, cp)
+    tokens = local * micro_batch
     biggest = max(units, key=lambda u: padded_numel(u, plan.s_p))
     big_unit = padded_numel(biggest, plan.s_p)
     gathered = 0
@@ -351,11 +383,11 @@ def temp_bytes(
         return r * (sizes.os_packed + sizes.os) if plan.s_g == plan.s_p < plan.s_os else 0
 
     def block_acts() -> int:
-        return block_activation_bytes(model, seq_len, micro_batch, e, attention, norm, tp)
+        return block_activation_bytes(model, seq_len, micro_batch, e, attention, norm, tp, cp)
 
     recompute = block_acts() if activation_checkpointing == "full" else 0
     acts = activation_bytes(model, seq_len, micro_batch, mixed_precision,
-                            activation_checkpointing, attention, norm, tp, loss_parallel)
+                            activation_checkpointing, attention, norm, tp, loss_parallel, cp)
     # 5. (tp > 1) the embedding's backward, the last of all: its gradient is computed
     # replicated, vocab x dim on every TP rank, before FSDP2 or the engine keeps the
     # local rows; every activation is freed by then
@@ -380,9 +412,9 @@ def temp_bytes(
     # 3. FSDP2 (s_p > 1): a later unit's backward and its hook, then the root's own
     # post-backward at the very end (moments 3 and 4 of the Note)
     root_numel, block_numel = padded_numel(root, plan.s_p), padded_numel(block, plan.s_p)
-    freed = root_activation_bytes(model, seq_len, micro_batch, e, norm, tp, loss_parallel)
+    freed = root_activation_bytes(model, local, micro_batch, e, norm, tp, loss_parallel)
     if activation_checkpointing == "full":
-        freed += _checkpointed_input(model, seq_len, micro_batch, e, tp)  # last block's input
+        freed += _checkpointed_input(model, local, micro_batch, e, tp)  # last block's input
     else:
         freed += block_acts()
     later = gathered + e * root_numel + r * block_numel + hook(block) + recompute - freed
@@ -612,7 +644,7 @@ def estimate_memory(
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1, expert_shard_dim: int = 0,
+    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
@@ -631,16 +663,18 @@ def estimate_memory(
     shapes, activations of one TP rank); loss_parallel: torchtitan's default with TP.
     compression: Compression or None; when it enables a codec, the estimate's
     ``compression`` field holds its persistent buffers (compression_bytes), counted in
-    both phases."""
+    both phases. cp: the context-parallel degree: the plan is over the data-parallel world
+    with the cp ranks in it (states as without cp), each rank holds seq_len / cp tokens of
+    a sequence and K/V of the whole one (block_activation_bytes)."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     states = state_bytes(model.unit_param_shapes(tp), plan.s_p, plan.s_g, plan.s_os, e,
                          grad_dtype_bytes=r)
     act = activation_bytes(model, seq_len, micro_batch, mixed_precision,
-                           activation_checkpointing, attention, norm, tp, loss_parallel)
+                           activation_checkpointing, attention, norm, tp, loss_parallel, cp)
     tmp = temp_bytes(model, plan, seq_len, micro_batch, mixed_precision,
                      activation_checkpointing, attention, norm, reshard_after_forward,
-                     reduce_dtype, tp, loss_parallel)
+                     reduce_dtype, tp, loss_parallel, cp)
     step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp,
                       expert_plan, ep, expert_shard_dim)
     comp = None

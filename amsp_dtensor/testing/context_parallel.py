@@ -1,0 +1,103 @@
+"""The test model under context parallelism (cp ranks split each sequence, the attention
+exchanges K and V over them) and an AMSP plan over the data-parallel world with the cp
+ranks in it, trained like ``scenarios.amsp_training`` (same global batches, AdamW,
+clipping): ``scenarios.reference_training`` over the world / cp batch-splitting ranks is
+its single-process reference."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .scenarios import (MAX_NORM, OPTIMIZERS, async_all_gathers, full_weights, global_batches,
+                        make_model, micro_batch_backwards, shard_model)
+from .tiny_llama import context_parallelize
+
+
+def build_cp(plan, cp, ranks_per_node):
+    """The test model split over cp ranks and sharded under ``plan`` (s_p, s_g, s_os of
+    the world's data-parallel ranks, the cp ranks among them), and its AMSPOptimizer."""
+    import amsp_dtensor as amsp
+
+    sharding = amsp.ShardingPlan(*plan)
+    mesh = amsp.init_mesh(sharding, ranks_per_node=ranks_per_node, device_type="cpu", cp=cp)
+    model = make_model(torch.float32)
+    if cp > 1:
+        context_parallelize(model, amsp.context_parallel_mesh(mesh))
+    shard_model(model, mesh, sharding)
+    cls, kwargs = OPTIMIZERS["adamw"]
+    return model, amsp.AMSPOptimizer(model, cls, **kwargs)
+
+
+def train_cp(model, optim, rank, world_size, cp, micro_batches, steps, record_step=None):
+    """Train ``steps`` (step numbers: the global batch of step s is the same for every
+    (world / cp) x micro_batches): rank r trains rows of batch split r // cp and chunk
+    r % cp of their sequences. Returns (losses, global grad norms, the collectives of
+    ``record_step``, the model's K/V exchange over "cp" with them)."""
+    import amsp_dtensor as amsp
+
+    splits = world_size // cp  # ranks that split the batch
+    losses, norms = [], []
+    recorder = amsp.CommRecorder()
+    for step in steps:
+        batch = global_batches(step, splits, micro_batches, model.cfg)
+        record = (amsp.record_comms(recorder, model_collectives=True) if step == record_step
+                  else contextlib.nullcontext())
+        total = torch.zeros(1)
+        with record:
+            for _, _, loss in micro_batch_backwards(model, batch, rank // cp, splits,
+                                                    micro_batches, seq_chunk=(rank % cp, cp)):
+                total += loss.detach()
+            norms.append(optim.clip_grad_norm_(MAX_NORM).item())
+            optim.step()
+            optim.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses, norms, [e.key() for e in recorder.events]
+
+
+def cp_training(rank, world_size, plan, cp, ranks_per_node, micro_batches, steps,
+                record_step=1):
+    """Train ``steps`` steps under ``plan`` with context-parallel degree ``cp``; returns
+    losses, global grad norms, the whole weights (rank 0), the collectives of step
+    ``record_step``, FSDP2's async all-gather settings and this rank's cp group."""
+    from amsp_dtensor.engine.handle import root_state
+
+    model, optim = build_cp(plan, cp, ranks_per_node)
+    losses, norms, events = train_cp(model, optim, rank, world_size, cp, micro_batches,
+                                     range(steps), record_step)
+    optim.wait_param_update()
+    weights = full_weights(model)
+    cp_group = root_state(model).info.cp_mesh.get_group()
+    return {"losses": losses, "norms": norms, "weights": weights if rank == 0 else None,
+            "events": events, "async_all_gathers": async_all_gathers(model),
+            "cp_ranks": dist.get_process_group_ranks(cp_group)}
+
+
+def cp_checkpoints(rank, world_size, directory, ranks_per_node):
+    """A job saved under one cp degree resumes under another. Every run sees the same
+    global batches ((world / cp) x micro-batches is 4 throughout). Saved under cp 2
+    ((2, 2, 4), 2 micro-batches) after 2 steps, then 2 more steps (the uninterrupted
+    curve); loaded under cp 1 ((1, 1, 4), 1 micro-batch) and 2 steps. The reverse: saved
+    under cp 1 ((2, 2, 2)) after 2 steps, 2 more; loaded under cp 4 ((4, 4, 4), 4
+    micro-batches) and 2 steps. Returns the four curves of steps 2 and 3 (rank 0)."""
+    from amsp_dtensor import checkpoint
+
+    out = {}
+    for name, (saved, resumed) in {"cp2_to_cp1": (((2, 2, 4), 2, 2), ((1, 1, 4), 1, 1)),
+                                   "cp1_to_cp4": (((2, 2, 2), 1, 1), ((4, 4, 4), 4, 4))}.items():
+        path = f"{directory}/{name}"
+        (plan, cp, micro) = saved
+        model, optim = build_cp(plan, cp, ranks_per_node)
+        train_cp(model, optim, rank, world_size, cp, micro, range(2))
+        checkpoint.save(path, 2, model, optim)
+        out[f"{name}/uninterrupted"] = train_cp(model, optim, rank, world_size, cp, micro,
+                                                range(2, 4))[0]
+        (plan, cp, micro) = resumed
+        model, optim = build_cp(plan, cp, ranks_per_node)
+        assert checkpoint.load(checkpoint.step_path(path, 2), model, optim) == 2
+        out[f"{name}/resumed"] = train_cp(model, optim, rank, world_size, cp, micro,
+                                          range(2, 4))[0]
+    return out if rank == 0 else None
