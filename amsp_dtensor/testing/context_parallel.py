@@ -6,13 +6,11 @@ its single-process reference."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-from .scenarios import (MAX_NORM, OPTIMIZERS, async_all_gathers, full_weights, global_batches,
-                        make_model, micro_batch_backwards, shard_model)
+from .scenarios import (OPTIMIZERS, async_all_gathers, full_weights, make_model, shard_model,
+                        train_steps)
 from .tiny_llama import context_parallelize
 
 
@@ -31,33 +29,6 @@ def build_cp(plan, cp, ranks_per_node):
     return model, amsp.AMSPOptimizer(model, cls, **kwargs)
 
 
-def train_cp(model, optim, rank, world_size, cp, micro_batches, steps, record_step=None):
-    """Train ``steps`` (step numbers: the global batch of step s is the same for every
-    (world / cp) x micro_batches): rank r trains rows of batch split r // cp and chunk
-    r % cp of their sequences. Returns (losses, global grad norms, the collectives of
-    ``record_step``, the model's K/V exchange over "cp" with them)."""
-    import amsp_dtensor as amsp
-
-    splits = world_size // cp  # ranks that split the batch
-    losses, norms = [], []
-    recorder = amsp.CommRecorder()
-    for step in steps:
-        batch = global_batches(step, splits, micro_batches, model.cfg)
-        record = (amsp.record_comms(recorder, model_collectives=True) if step == record_step
-                  else contextlib.nullcontext())
-        total = torch.zeros(1)
-        with record:
-            for _, _, loss in micro_batch_backwards(model, batch, rank // cp, splits,
-                                                    micro_batches, seq_chunk=(rank % cp, cp)):
-                total += loss.detach()
-            norms.append(optim.clip_grad_norm_(MAX_NORM).item())
-            optim.step()
-            optim.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses, norms, [e.key() for e in recorder.events]
-
-
 def cp_training(rank, world_size, plan, cp, ranks_per_node, micro_batches, steps,
                 record_step=1):
     """Train ``steps`` steps under ``plan`` with context-parallel degree ``cp``; returns
@@ -66,8 +37,8 @@ def cp_training(rank, world_size, plan, cp, ranks_per_node, micro_batches, steps
     from amsp_dtensor.engine.handle import root_state
 
     model, optim = build_cp(plan, cp, ranks_per_node)
-    losses, norms, events = train_cp(model, optim, rank, world_size, cp, micro_batches,
-                                     range(steps), record_step)
+    losses, norms, events = train_steps(model, optim, rank, world_size, range(steps),
+                                        micro_batches, record_step, cp)
     optim.wait_param_update()
     weights = full_weights(model)
     cp_group = root_state(model).info.cp_mesh.get_group()
@@ -91,13 +62,13 @@ def cp_checkpoints(rank, world_size, directory, ranks_per_node):
         path = f"{directory}/{name}"
         (plan, cp, micro) = saved
         model, optim = build_cp(plan, cp, ranks_per_node)
-        train_cp(model, optim, rank, world_size, cp, micro, range(2))
+        train_steps(model, optim, rank, world_size, range(2), micro, cp=cp)
         checkpoint.save(path, 2, model, optim)
-        out[f"{name}/uninterrupted"] = train_cp(model, optim, rank, world_size, cp, micro,
-                                                range(2, 4))[0]
+        out[f"{name}/uninterrupted"] = train_steps(model, optim, rank, world_size,
+                                                   range(2, 4), micro, cp=cp)[0]
         (plan, cp, micro) = resumed
         model, optim = build_cp(plan, cp, ranks_per_node)
         assert checkpoint.load(checkpoint.step_path(path, 2), model, optim) == 2
-        out[f"{name}/resumed"] = train_cp(model, optim, rank, world_size, cp, micro,
-                                          range(2, 4))[0]
+        out[f"{name}/resumed"] = train_steps(model, optim, rank, world_size, range(2, 4),
+                                             micro, cp=cp)[0]
     return out if rank == 0 else None

@@ -6,14 +6,13 @@ reference (the same model, unsplit, on the whole batch)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import torch.distributed as dist
 
 from .scenarios import (MAX_NORM, OPTIMIZERS, async_all_gathers, full_weights, global_batches,
-                        micro_batch_backwards)
+                        train_steps)
 from .tiny_llama import loss_fn
 from .tiny_moe import TinyMoE, TinyMoEConfig, expert_parallelize
 
@@ -116,32 +115,16 @@ def build_moe(dense, expert, ep, compression: dict | None = None):
 
 def train_moe(model, optim, rank, world_size, steps, micro_batches=2, record_step=None,
               memory=None):
-    """Train ``steps`` (step numbers: the global batch of step s is the same for every
-    world with the same world x micro_batches); returns (losses, norms, the events of
-    ``record_step``). ``memory``: a dict that gets the G bytes of each group after the
-    first micro-batch (a no_sync partial sum) of the first step."""
+    """scenarios.train_steps; ``memory``: a dict that gets the G bytes of each group after
+    the first micro-batch (a no_sync partial sum) of the first step."""
     import amsp_dtensor as amsp
 
-    recorder = amsp.CommRecorder()
-    losses, norms = [], []
-    for step in steps:
-        batch = global_batches(step, world_size, micro_batches, model.cfg)
-        record = (amsp.record_comms(recorder, model_collectives=True) if step == record_step
-                  else contextlib.nullcontext())
-        total = torch.zeros(1)
-        with record:
-            for micro, _, loss in micro_batch_backwards(model, batch, rank, world_size,
-                                                        micro_batches):
-                total += loss.detach()
-                if memory is not None and step == steps[0] and micro == 0:
-                    memory.update({g: amsp.memory_by_state(model, group=g)["grad"]
-                                   for g in ("dense", "expert")})
-            norms.append(optim.clip_grad_norm_(MAX_NORM).item())
-            optim.step()
-            optim.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses, norms, [e.key() for e in recorder.events]
+    def grads():
+        memory.update({g: amsp.memory_by_state(model, group=g)["grad"]
+                       for g in ("dense", "expert")})
+
+    return train_steps(model, optim, rank, world_size, steps, micro_batches, record_step,
+                       after_first_micro=grads if memory is not None else None)
 
 
 def moe_training(rank, world_size, dense, expert, ep, steps, micro_batches=2,

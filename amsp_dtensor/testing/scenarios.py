@@ -310,6 +310,38 @@ def micro_batch_backwards(model, batch, rank, world_size, micro_batches, seq_chu
         yield micro, mb, loss
 
 
+def train_steps(model, optim, rank, world_size, steps, micro_batches=2, record_step=None,
+                cp=1, after_first_micro=None):
+    """Train ``steps`` (step numbers: the global batch of step s is the same for every
+    world with the same (world / cp) x micro_batches), clipping before each step; returns
+    (losses, global grad norms, the events of ``record_step``, the model's own collectives
+    with them). ``cp``: context parallelism, rank r training the rows of batch split
+    r // cp and chunk r % cp of their sequences. ``after_first_micro``: called after the
+    first micro-batch of the first step (a no_sync partial sum is then in place)."""
+    import amsp_dtensor as amsp
+
+    splits = world_size // cp  # ranks that split the batch
+    recorder = amsp.CommRecorder()
+    losses, norms = [], []
+    for step in steps:
+        batch = global_batches(step, splits, micro_batches, model.cfg)
+        record = (amsp.record_comms(recorder, model_collectives=True) if step == record_step
+                  else contextlib.nullcontext())
+        total = torch.zeros(1)
+        with record:
+            for micro, _, loss in micro_batch_backwards(model, batch, rank // cp, splits,
+                                                        micro_batches, (rank % cp, cp)):
+                total += loss.detach()
+                if after_first_micro is not None and step == steps[0] and micro == 0:
+                    after_first_micro()
+            norms.append(optim.clip_grad_norm_(MAX_NORM).item())
+            optim.step()
+            optim.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses, norms, [e.key() for e in recorder.events]
+
+
 LAND_METHODS = ("wait_param_update", "state_dict", "forward")
 
 
