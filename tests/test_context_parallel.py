@@ -1,8 +1,8 @@
 """AMSP with context parallelism: the tiny llama with its sequences split over cp ranks
 (the attention gathers K and V over them with torch's flex_cp_allgather, as torchtitan's
 apply_cp_to_forward does) and sharded by every valid plan of the 4 ranks (2 per node),
-the cp ranks among the data-parallel ones: cp 2 (a cp group inside each node, 2 batch
-splits) and cp 4 (one group over both nodes, the whole batch). Against single-process
+the cp ranks among the data-parallel ones, at cp 2 (a cp group inside each node, 2 batch
+splits), and by three of them at cp 4 (one group over both nodes, the whole batch). Against single-process
 training over the batch splits' global batches: losses, global grad norms and weights
 after 3 AdamW steps of 2 micro-batches, within 1e-5; against the cost model: every
 collective of a step, the engine's (the plan over the 4 ranks) and the model's K/V
@@ -18,8 +18,8 @@ from functools import partial
 import pytest
 import torch
 
-from amsp_dtensor.engine.mesh import _check_cp
 from amsp_dtensor.plan import ShardingPlan, enumerate_plans
+from amsp_dtensor.plan.sharding_plan import check_context_parallel
 from amsp_dtensor.plan.cost.check import schedule_differences
 from amsp_dtensor.plan.cost.comm import event_counter, predicted_cp_events
 from amsp_dtensor.plan.cost.memory import _cp_gathered_kv, activation_bytes
@@ -34,7 +34,10 @@ WORLD, PER_NODE = 4, 2
 STEPS, MICRO_BATCHES = 3, 2
 TOLERANCE = 1e-5
 PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
-CASES = [(cp, plan) for cp in (2, 4) for plan in PLANS]
+# cp 4 changes only the cp group (across both nodes) and the batch split, not the plan's
+# collectives: three plans there (DDP, AMSP's (2, 2, 4), ZeRO-3) keep the suite's time
+CP4_PLANS = [(1, 1, 1), (2, 2, 4), (4, 4, 4)]
+CASES = [(2, plan) for plan in PLANS] + [(4, plan) for plan in CP4_PLANS]
 IDS = [f"cp{cp}-p{p[0]}-g{p[1]}-os{p[2]}" for cp, p in CASES]
 
 
@@ -126,7 +129,7 @@ def test_bad_cp_is_refused_in_one_line():
     messages = {}
     for name, args in cases.items():
         try:
-            _check_cp(*args)
+            check_context_parallel(*args)
             messages[name] = None
         except ValueError as e:
             messages[name] = str(e)
@@ -218,6 +221,78 @@ def test_activations_with_cp_by_hand():
         activation_bytes(m, local, 1, activation_checkpointing="full"))
     with pytest.raises(ValueError, match="cp=3 must divide seq_len=131072"):
         activation_bytes(m, seq, 1, cp=3)
+
+
+def test_planner_with_cp_on_1024_ranks():
+    """choose_plan for llama3 8B at 128k tokens, one sequence per batch rank, full
+    checkpointing, 1024 ranks (8 per node), 80 GiB: every plan's memory is
+    estimate_memory's with cp, its step holds CP's K/V exchange (predicted_cp_events,
+    inside a node at cp 8) timed on the critical path, and its compute is 1/cp of the
+    sequence's. Without cp (and at cp 2) nothing fits; at cp 8 plans fit."""
+    from amsp_dtensor.plan.cost.memory import estimate_memory
+    from amsp_dtensor.plan.cost.planner import NoPlanFits, choose_plan
+
+    m, gib = MODELS["llama3_8b"], 2**30
+    args = dict(seq_len=131072, micro_batch=1, world_size=1024, ranks_per_node=8,
+                memory_budget_bytes=80 * gib, activation_checkpointing="full")
+    for cp in (1, 2):
+        with pytest.raises(NoPlanFits):
+            choose_plan(m, micro_batches=1, cp=cp, **args)
+    report = choose_plan(m, global_batch_tokens=128 * 131072, cp=8, **args)
+    best, one = report.best, choose_plan(m, micro_batches=1, cp=1, require_fit=False, **args)
+    assert report.settings["micro_batches"] == 1  # 1024 / 8 batch ranks, one sequence each
+    assert best.fits and best.memory.total <= 80 * gib
+    assert best.memory.total == estimate_memory(
+        m, best.plan, 131072, 1, "bf16", "full", reshard_after_forward=True, clip=True,
+        cp=8).total
+    cp_events = [ev for ev in best.events if ev.dim == "cp"]
+    want = predicted_cp_events(8, 8, m.n_layers, 1, 131072, m.kv_width, 1, 2, recompute=True)
+    assert cp_events == want and not any(ev.inter_node for ev in cp_events)
+    tm = report_time_model(report)
+    assert best.step.cp_comm_seconds == pytest.approx(
+        sum(tm.time(ev.op, ev.nbytes, ev.group) * ev.count for ev in want), rel=1e-12)
+    same = next(c for c in one.candidates if c.plan.name == best.plan.name)
+    assert best.step.compute_seconds < same.step.compute_seconds / 7  # ~1/8, the optimizer's
+    print(f"\nllama3 8B, 128k, cp 8, 1024 ranks: {best.plan.name} "
+          f"{best.memory.total / gib:.1f} GiB/rank, step {best.step.seconds:.2f} s "
+          f"(K/V exchange {best.step.cp_comm_seconds:.3f} s); cp 1: "
+          f"{min(c.memory.total for c in one.candidates) / gib:.1f} GiB at best")
+
+
+def test_planner_cli_takes_cp(capsys):
+    """python -m amsp_dtensor.plan --cp N: the same choice as choose_plan(cp=N), said in the
+    header; a cp that does not fit the world is one error line (exit 2)."""
+    from amsp_dtensor.plan.__main__ import main
+    from amsp_dtensor.plan.cost.planner import choose_plan
+
+    job = ["--model", "llama3_8b", "--gpus", "1024", "--gpus-per-node", "8", "--seq-len",
+           "131072", "--micro-batch", "1", "--activation-checkpointing", "full",
+           "--gpu-mem", "80"]
+    assert main([*job, "--cp", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = choose_plan(MODELS["llama3_8b"], seq_len=131072, micro_batch=1, micro_batches=1,
+                       world_size=1024, ranks_per_node=8, memory_budget_bytes=80 * 2**30,
+                       activation_checkpointing="full", cp=8, reserve_bytes=5 * 2**30)
+    assert got["settings"]["context_parallel_degree"] == 8
+    chosen = got["chosen"]
+    assert chosen["name"] == want.best.plan.name, (chosen["name"], want.best.plan.name)
+    assert chosen["step"]["tokens_per_rank"] == 131072 // 8
+    assert chosen["step"]["cp_comm_seconds"] > 0 and chosen["fits"]
+    assert main([*job, "--cp", "8"]) == 0
+    assert "context parallel 8 (each GPU holds seq / 8 tokens)" in capsys.readouterr().out
+    assert main([*job, "--cp", "3"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m amsp_dtensor.plan: error: cp=3 does not divide the 1024 data-parallel "
+        "ranks: choose a divisor of 1024"]
+
+
+def report_time_model(report):
+    """The time model the report's plans were costed with (the default NCCL model of the
+    report's cluster)."""
+    from amsp_dtensor.plan.cost.nccl import NcclModel
+    from amsp_dtensor.plan.cost.planner import _time_model
+
+    return _time_model(None, NcclModel(gpus_per_node=report.settings["ranks_per_node"]))[0]
 
 
 if __name__ == "__main__":  # the probe: one process, torch's fake process group

@@ -72,8 +72,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import handle
 from .recorder import watch_group
 from ..plan import ResolvedPlan, ShardingPlan
-from ..plan.sharding_plan import (EXPERT_DIM_PREFIX, data_parallel_world,
-                                  expert_parallel_world, resolve_factor)
+from ..plan.sharding_plan import (EXPERT_DIM_PREFIX, check_context_parallel,
+                                  data_parallel_world, expert_parallel_world, resolve_factor)
 
 MESH_DIMS = ("rep", "p", "g", "os")
 TP_DIM = "tp"
@@ -299,7 +299,7 @@ def init_mesh(
     resolved = _resolved(plan, "plan", dp_world, dp_per_node, tp, pp)
     # every check before the first group is made: a bad ep, expert plan or cp leaves nothing
     expert = _resolved_expert(plan, expert_plan, ep, dp_world, dp_per_node, tp, pp)
-    _check_cp(cp, dp_world, dp_per_node, expert is not None)
+    check_context_parallel(cp, dp_world, dp_per_node, expert is not None)
     device_type = device_type or _default_device_type()
     dims = (job_world, job_per_node, pp)
     info = _build(resolved, device_type, *dims, tp, TP_DIM, "")
@@ -325,26 +325,6 @@ def context_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
         raise ValueError("this mesh has no context-parallel dim: build it with "
                          "amsp.init_mesh(plan, cp=N)")
     return info.cp_mesh
-
-
-def _check_cp(cp, dp_world: int, dp_per_node: int, experts: bool) -> None:
-    """cp divides the data-parallel world, and its groups (consecutive data-parallel
-    ranks) fit in a node or span whole nodes."""
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp must be a positive int (the context-parallel degree), got {cp!r}")
-    if cp == 1:
-        return
-    if dp_world % cp:
-        raise ValueError(f"cp={cp} does not divide the {dp_world} data-parallel ranks: choose "
-                         f"a divisor of {dp_world}")
-    if dp_per_node % cp and cp % dp_per_node:
-        raise ValueError(
-            f"cp={cp} with {dp_per_node} data-parallel ranks per node: a cp group (consecutive "
-            "ranks) must fit in a node or span whole nodes; choose cp dividing, or a multiple "
-            f"of, {dp_per_node}")
-    if experts:
-        raise ValueError(f"cp={cp} with expert parallelism or an expert plan is not supported "
-                         "yet; use cp=1 or a dense model")
 
 
 def _cp_mesh(device_type: str, job_world: int, pp: int, tp: int, cp: int) -> DeviceMesh:

@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel degree (torchtitan's expert_parallel_degree) for a "
                    "model with experts (deepseek_v3_*, qwen3_*_a*b): the planner then picks "
                    "a dense plan and an expert plan (over gpus / N ranks); default 1")
+    p.add_argument("--cp", type=int, default=1, metavar="N",
+                   help="context-parallel degree (torchtitan's context_parallel_degree): N "
+                   "consecutive data-parallel ranks split each sequence; the plans' factors "
+                   "range over them too, each rank holds seq-len / N tokens and the K/V "
+                   "exchange joins the step; default 1")
     p.add_argument("--disable-loss-parallel", action="store_true",
                    help="with --tp: gather the logits instead of torchtitan's default "
                    "loss_parallel (its parallelism.disable_loss_parallel)")
@@ -182,9 +187,11 @@ def _model(args) -> ModelShape:
 def _micro_batches(args, tp: int = 1) -> int:
     if args.global_batch_tokens is None:
         return args.micro_batches or 1
-    per_step = args.seq_len * args.micro_batch * args.gpus // tp
+    cp = getattr(args, "cp", 1)
+    per_step = args.seq_len * args.micro_batch * args.gpus // tp // cp
     if args.global_batch_tokens % per_step:
         ranks = "gpus" if tp == 1 else f"data-parallel ranks (gpus / tp {tp})"
+        ranks += f" / cp {cp}" if cp > 1 else ""
         raise UsageError(
             f"--global-batch-tokens {args.global_batch_tokens} is not a multiple of seq-len x "
             f"micro-batch x {ranks} = {per_step}; change the batch or the micro-batch"
@@ -234,7 +241,10 @@ def render(report: PlanReport, top: int) -> str:
     lines = [
         f"{mdl.name}: {mdl.num_params / 1e6:,.1f}M params, {mdl.n_layers} layers, dim {mdl.dim}",
         f"{s['world_size']} GPUs ({s['ranks_per_node']}/node), seq {s['seq_len']} x "
-        f"micro-batch {s['micro_batch']} x {s['micro_batches']} per step",
+        f"micro-batch {s['micro_batch']} x {s['micro_batches']} per step"
+        + (f", context parallel {s['context_parallel_degree']} (each GPU holds seq / "
+           f"{s['context_parallel_degree']} tokens)" if s.get("context_parallel_degree")
+           else ""),
         f"{s['mixed_precision']} (grads {s['reduce_dtype']}), activation checkpointing "
         f"{s['activation_checkpointing']}, norm {s['norm']}",
         f"budget {s['memory_budget_bytes'] / GiB:.2f} GiB/GPU incl. {s['reserve_bytes'] / GiB:g}"
@@ -482,6 +492,11 @@ def main(argv=None) -> int:
                 expert_parallel_world(args.gpus, args.gpus_per_node, args.ep or 1)
             except ValueError as exc:
                 raise UsageError(f"--ep {args.ep or 1}: {exc}") from None
+        if args.cp < 1:
+            raise UsageError(f"--cp must be positive, got {args.cp}")
+        if args.cp > 1 and (model.experts is not None or args.tp == "auto"):
+            raise UsageError(f"--cp {args.cp}: the planner has no context parallelism beside "
+                             "experts or --tp auto yet; give --tp N with a dense --model")
         if args.tp == "auto":  # one global batch for every degree
             batch = {"global_batch_tokens": args.global_batch_tokens or (
                 (args.micro_batches or 1) * args.seq_len * args.micro_batch * args.gpus)}
@@ -501,7 +516,7 @@ def main(argv=None) -> int:
             compute=ComputeModel(compute_flops=args.tflops * 1e12,
                                  peak_flops=args.peak_tflops * 1e12),
             overlap_param_update=args.overlap_param_update, cluster=cluster,
-            ep=args.ep or 1,
+            ep=args.ep or 1, cp=args.cp,
         )
         report = choose_plan(**plan_args, compression=args.compress)
         rows = []

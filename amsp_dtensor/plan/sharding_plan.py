@@ -285,6 +285,29 @@ def expert_parallel_world(dp_world: int, dp_per_node: int, ep) -> tuple[int, int
     return dp_world // ep, max(1, dp_per_node // ep)
 
 
+def check_context_parallel(cp, dp_world: int, dp_per_node: int, experts: bool = False) -> None:
+    """The one rule of where cp groups sit: cp divides the data-parallel world (``dp_world``
+    ranks, ``dp_per_node`` per node, the cp ranks among them), and its groups (cp
+    consecutive data-parallel ranks, as torchtitan places them) fit in a node or span whole
+    nodes; not beside experts (``experts``: expert parallelism or an expert plan) yet.
+    Raises ValueError naming the fix."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int (the context-parallel degree), got {cp!r}")
+    if cp == 1:
+        return
+    if dp_world % cp:
+        raise ValueError(f"cp={cp} does not divide the {dp_world} data-parallel ranks: choose "
+                         f"a divisor of {dp_world}")
+    if dp_per_node % cp and cp % dp_per_node:
+        raise ValueError(
+            f"cp={cp} with {dp_per_node} data-parallel ranks per node: a cp group (consecutive "
+            "ranks) must fit in a node or span whole nodes; choose cp dividing, or a multiple "
+            f"of, {dp_per_node}")
+    if experts:
+        raise ValueError(f"cp={cp} with expert parallelism or an expert plan is not supported "
+                         "yet; use cp=1 or a dense model")
+
+
 def tp_outside_node(tp: int, ranks_per_node: int, tp_as: str, node_as: str) -> str | None:
     """The one rule of where TP groups sit: TP ranks are consecutive ranks of one node
     ("tp" innermost, as torchtitan builds its mesh), so the degree must divide the ranks

@@ -34,6 +34,7 @@ from ..sharding_plan import (
     EXPERT_DIM_PREFIX,
     ResolvedPlan,
     ShardingPlan,
+    check_context_parallel,
     data_parallel_world,
     enumerate_plans,
     expert_parallel_world,
@@ -46,6 +47,7 @@ from .comm import (
     PlannedComm,
     TimeModel,
     bytes_by_locality,
+    predicted_cp_events,
     predicted_ep_events,
     predicted_events,
     predicted_expert_events,
@@ -153,11 +155,11 @@ class PlanEstimate:
         return f"{self.label} + experts {self.expert_plan.name} (ep {self.ep})"
 
     def group_bytes(self) -> dict[str, dict[str, int]]:
-        """Buffer bytes per step by group ("dense", "expert", "ep": EP's all-to-alls) and
-        locality ({"intra", "inter"})."""
+        """Buffer bytes per step by group ("dense", "expert", "ep": EP's all-to-alls, "cp":
+        CP's K/V exchange) and locality ({"intra", "inter"})."""
         out: dict[str, dict[str, int]] = {}
         for ev in self.events:
-            group = ("ep" if is_token_exchange(ev) else
+            group = (ev.dim if is_token_exchange(ev) else
                      "expert" if ev.dim.startswith(EXPERT_DIM_PREFIX) or ev.dim == "ep"
                      else "dense")
             where = out.setdefault(group, {"intra": 0, "inter": 0})
@@ -385,7 +387,7 @@ def estimate_plan(
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
     p_gathers: tuple[int, int] | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1, expert_shard_dim: int = 0,
+    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1,
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
@@ -399,9 +401,16 @@ def estimate_plan(
     expert world, sharding_plan.expert_parallel_world) and the EP degree; required for
     such a model (the experts are a group of their own, never on the dense plan).
     expert_shard_dim: 0, the engine's layout of the experts (dim 0, padded to the
-    factor), or 1 for torchtitan's Shard(1) (the baselines; ModelShape.expert_units)."""
+    factor), or 1 for torchtitan's Shard(1) (the baselines; ModelShape.expert_units).
+    cp: the context-parallel degree (docs/context_parallel.md): ``plan`` is over the
+    data-parallel world with the cp ranks in it; each rank computes and holds seq_len / cp
+    tokens of a sequence, and CP's K/V exchange (predicted_cp_events) joins the step on
+    the critical path of every block."""
     if compression is not None and not compression.enabled:
         compression = None
+    if cp != 1 and (pipeline is not None or expert_plan is not None):
+        raise ValueError("the cost model has no context parallelism beside a pipeline or "
+                         "experts yet")
     if (model.experts is None) != (expert_plan is None):
         raise ValueError(f"model {model.name}: " + (
             "has experts: give expert_plan (and ep)" if expert_plan is None else
@@ -423,7 +432,7 @@ def estimate_plan(
                           reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                           clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel,
                           compression=compression, expert_plan=expert_plan, ep=ep,
-                          expert_shard_dim=expert_shard_dim)
+                          expert_shard_dim=expert_shard_dim, cp=cp)
     shapes = model.unit_param_shapes(tp)
     event_args = dict(reshard_after_forward=reshard_after_forward, clip=clip,
                       reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
@@ -438,11 +447,16 @@ def estimate_plan(
                        dtype_bytes=DTYPE_BYTES[mixed_precision],
                        recompute=activation_checkpointing == "full", **event_args)
     events += _expert_events(**expert_args, compression=compression)
+    events += predicted_cp_events(cp, plan.ranks_per_node, model.n_layers, micro_batch, seq_len,
+                                  model.kv_width // tp, micro_batches,
+                                  DTYPE_BYTES[mixed_precision],
+                                  recompute=activation_checkpointing == "full")
     exact_bytes = None
     if compression is not None:
         exact = predicted_events(plan, shapes, micro_batches, DTYPE_BYTES[mixed_precision],
                                  model.root_unit_index, **event_args)
         exact += _expert_events(**expert_args)
+        exact += [ev for ev in events if ev.dim == "cp"]
         exact_bytes = bytes_by_locality(exact)
         exact_bytes["wire_inter"] = sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
                                         for e in exact if e.inter_node)
@@ -459,7 +473,7 @@ def estimate_plan(
                    activation_checkpointing=activation_checkpointing,
                    overlap_param_update=overlap_param_update, tp=tp,
                    tp_seconds=tp_seconds_per_micro_batch(tp_comms, time_model, micro_batches),
-                   p_gathers=p_gathers)
+                   p_gathers=p_gathers, cp=cp)
     return PlanEstimate(
         label=label or plan.name,
         plan=plan,
@@ -602,7 +616,7 @@ def choose_plan(
     rank_by: str = "step", backend: str = "nccl", tp: Union[int, str] = 1,
     global_batch_tokens: int | None = None, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
-    ep: int = 1,
+    ep: int = 1, cp: int = 1,
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -642,6 +656,11 @@ def choose_plan(
       plans beside the chosen dense one. The baselines pair the same system for both
       groups (ZeRO-3/FSDP: torchtitan's FSDP2 + EP, experts sharded over the expert world,
       on dim 1 where torchtitan does; the plans are the engine's, dim 0, padded).
+    cp: the context-parallel degree (torchtitan's context_parallel_degree): the cp ranks
+      are data-parallel ranks of every plan (the plans' factors range over them, a cp
+      group sits in a node or spans whole nodes), each computes seq_len / cp tokens of a
+      sequence, and the batch splits over the data-parallel ranks / cp (micro_batches
+      and global_batch_tokens count those); not with a pipeline or experts yet.
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
@@ -654,7 +673,10 @@ def choose_plan(
                 norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                 compute=compute, overlap_param_update=overlap_param_update, cluster=cluster,
                 rank_by=rank_by, backend=backend, loss_parallel=loss_parallel,
-                compression=_compression(compression), pipeline=pipeline, ep=ep)
+                compression=_compression(compression), pipeline=pipeline, ep=ep, cp=cp)
+    if cp != 1 and (shape.experts is not None or ep != 1 or pipeline is not None):
+        raise ValueError(f"cp={cp}: the cost model has no context parallelism beside a "
+                         "pipeline or experts yet")
     if (shape.experts is not None or ep != 1) and (tp == "auto" or pipeline is not None):
         raise ValueError(f"model {shape.name} with experts (ep={ep}): the cost model has "
                          "neither tp='auto' nor pipeline parallelism with experts; use tp=1 "
@@ -735,6 +757,7 @@ def _choose_plan(
     cluster: NcclModel | None, rank_by: str, backend: str, tp: int,
     global_batch_tokens: int | None, loss_parallel: bool,
     compression: Compression | None = None, pipeline: Pipeline | None = None, ep: int = 1,
+    cp: int = 1,
 ) -> PlanReport:
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
                         ("world_size", world_size), ("ranks_per_node", ranks_per_node)):
@@ -742,17 +765,22 @@ def _choose_plan(
     dp_world, dp_per_node = data_parallel_world(world_size, ranks_per_node, tp)
     shape.check_tensor_parallel(tp)
     check_sequence_parallel(seq_len, tp)
+    check_context_parallel(cp, dp_world, dp_per_node)
+    if seq_len % cp:
+        raise ValueError(f"seq_len={seq_len} does not split over cp={cp} ranks; use a multiple "
+                         f"of {cp}")
     if (micro_batches is None) == (global_batch_tokens is None):
         raise ValueError("give one of micro_batches (per data-parallel rank) and "
                          "global_batch_tokens")
     if global_batch_tokens is not None:
         _positive("global_batch_tokens", global_batch_tokens)
-        per_step = seq_len * micro_batch * dp_world
+        per_step = seq_len * micro_batch * dp_world // cp  # the cp ranks share sequences
         if global_batch_tokens % per_step:
             raise ValueError(
                 f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_len x "
-                f"micro_batch x data-parallel ranks = {per_step} (tensor_parallel_degree="
-                f"{tp}); change the batch or the micro-batch")
+                f"micro_batch x data-parallel ranks"
+                + (f" / cp {cp}" if cp > 1 else "") + f" = {per_step} "
+                f"(tensor_parallel_degree={tp}); change the batch or the micro-batch")
         micro_batches = global_batch_tokens // per_step
     _positive("micro_batches", micro_batches)
     if mixed_precision not in DTYPE_BYTES:
@@ -773,7 +801,8 @@ def _choose_plan(
                   clip=clip, norm=norm, reduce_dtype=reduce_dtype,
                   reserve_bytes=reserve_bytes, compute=compute,
                   overlap_param_update=overlap_param_update, backend=backend, tp=tp,
-                  loss_parallel=loss_parallel, compression=compression, pipeline=pipeline)
+                  loss_parallel=loss_parallel, compression=compression, pipeline=pipeline,
+                  **({"cp": cp} if cp > 1 else {}))
     plans = enumerate_plans(world_size, ranks_per_node, tp)
     if pipeline is not None and pipeline.split_backward:
         plans = [p for p in plans if p.s_p == 1]  # split backwards need plain parameters
@@ -836,7 +865,8 @@ def _choose_plan(
                               if pipeline is not None else None),
                     compression=str(compression) if compression is not None else None,
                     expert_parallel_degree=ep if expert_world is not None else None,
-                    expert_world_size=expert_world[0] if expert_world is not None else None)
+                    expert_world_size=expert_world[0] if expert_world is not None else None,
+                    context_parallel_degree=cp if cp > 1 else None)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp,
                       expert_candidates=expert_estimates, rounds=rounds)
 
@@ -901,6 +931,7 @@ def plan(
     bandwidth_table=None, tensor_parallel_degree: Union[int, str] = 1,
     global_batch_size: int | None = None, loss_parallel: bool = True,
     compression=None, pipeline: Pipeline | None = None, expert_parallel_degree: int = 1,
+    context_parallel_degree: int = 1,
 ) -> PlanReport:
     """Entry point for the torchtitan integration (plan = "auto"); names follow its config.
 
@@ -920,6 +951,7 @@ def plan(
       ranks_per_node are then one stage's; the micro-batches are the pipeline's).
     expert_parallel_degree: [parallelism] expert_parallel_degree; a model with experts
       (deepseek_v3's, qwen3's MoE args) gets an expert plan too (.expert_plan).
+    context_parallel_degree: [parallelism] context_parallel_degree (choose_plan's cp).
     Returns the PlanReport; .plan is the chosen ResolvedPlan (of the data-parallel world
     when .tp > 1).
     """
@@ -946,5 +978,6 @@ def plan(
         bandwidth=bandwidth_table, mixed_precision=precision,
         activation_checkpointing=_TITAN_AC.get(activation_checkpoint, "none"),
         tp=tensor_parallel_degree, loss_parallel=loss_parallel,
-        compression=compression, pipeline=pipeline, ep=expert_parallel_degree, **batch,
+        compression=compression, pipeline=pipeline, ep=expert_parallel_degree,
+        cp=context_parallel_degree, **batch,
     )

@@ -55,6 +55,14 @@ all-gathers before the block computes, its reduce-scatters after. EP's token
 all-to-alls (counts, tokens out, outputs back; their gradients in backward) sit on the
 critical path of each MoE block like TP's collectives: the block waits for its tokens.
 They are counted in ``exposed_comm_seconds`` and, separately, in ``ep_comm_seconds``.
+
+Context parallelism (degree cp): each rank computes seq_len / cp tokens of every sequence,
+each attending over as many keys as without cp (torchtitan's head-tail split balances
+the causal mask), so a unit's compute is 1/cp of the sequence's. CP's K/V exchange
+(cost/comm.py predicted_cp_events: per block two all-gathers in forward, two
+reduce-scatters of their gradients in backward) sits on the critical path of every block
+like TP's collectives: the attention waits for the gathered K and V. It is counted in
+``exposed_comm_seconds`` and, separately, in ``cp_comm_seconds``.
 """
 
 from __future__ import annotations
@@ -113,13 +121,15 @@ class StepTime:
     tp_comm_seconds: float = 0.0  # TP's collectives, on the critical path
     codec_seconds: float = 0.0  # encode/decode of compressed stages (comm queue)
     ep_comm_seconds: float = 0.0  # EP's token all-to-alls, on the critical path
+    cp_comm_seconds: float = 0.0  # CP's K/V exchange, on the critical path
 
     def as_dict(self) -> dict:
         return dict(seconds=self.seconds, compute_seconds=self.compute_seconds,
                     comm_sum_seconds=self.comm_sum_seconds,
                     exposed_comm_seconds=self.exposed_comm_seconds, mfu=self.mfu,
                     tokens_per_rank=self.tokens, tp_comm_seconds=self.tp_comm_seconds,
-                    codec_seconds=self.codec_seconds, ep_comm_seconds=self.ep_comm_seconds)
+                    codec_seconds=self.codec_seconds, ep_comm_seconds=self.ep_comm_seconds,
+                    cp_comm_seconds=self.cp_comm_seconds)
 
 
 class _Timeline:
@@ -162,7 +172,7 @@ def _per_call(events: Iterable[PlannedComm], model: TimeModel, hbm_bw: float = 0
     """{(unit, phase, op, dim): seconds per call incl. codec}, the collectives' sum
     (no codec), the clip's, and the codec's seconds per step. An expert unit's
     collective ("expert_p", ...) is charged to its block's (unit, phase, op, dim), after
-    the block's own on the queue; EP's token all-to-alls are not here (_ep_seconds)."""
+    the block's own on the queue; the model's own exchanges (EP, CP) are not here (_exchange_seconds)."""
     table: dict = {}
     total = 0.0
     clip = 0.0
@@ -186,24 +196,29 @@ def _per_call(events: Iterable[PlannedComm], model: TimeModel, hbm_bw: float = 0
 
 
 def is_token_exchange(ev: PlannedComm) -> bool:
-    """Expert parallelism's own all-to-alls (cost/comm.py predicted_ep_events)."""
-    return ev.op == "all_to_all" and ev.dim == "ep"
+    """The model's own exchanges, which its blocks wait for: expert parallelism's
+    all-to-alls (cost/comm.py predicted_ep_events) and context parallelism's K/V
+    exchange (predicted_cp_events)."""
+    return (ev.op == "all_to_all" and ev.dim == "ep") or ev.dim == "cp"
 
 
-def _ep_seconds(model: ModelShape, events: list[PlannedComm], time_model: TimeModel,
-                micro_batches: int) -> tuple[dict, float]:
-    """EP's token all-to-alls per MoE block and micro-batch, {(block, phase): seconds}:
-    on the critical path, as TP's collectives (the block waits for its tokens), and
-    their sum per step."""
-    per_block = {"forward": 0.0, "backward": 0.0}
-    total = 0.0
+def _exchange_seconds(model: ModelShape, events: list[PlannedComm], time_model: TimeModel,
+                      micro_batches: int) -> tuple[dict, dict]:
+    """EP's token all-to-alls per MoE block and CP's K/V exchange per block, per
+    micro-batch, {(block, phase): seconds}: on the critical path, as TP's collectives
+    (the block waits for its tokens, the attention for K and V); and their sums per step,
+    {"ep": seconds, "cp": seconds}."""
+    table: dict = {}
+    totals = {"ep": 0.0, "cp": 0.0}
     for ev in events:
         t = time_model.time(ev.op, ev.nbytes, ev.group) * ev.count
-        per_block[ev.phase] += t / (micro_batches * model.moe_layers)
-        total += t
-    table = {(model.block_unit(layer), phase): seconds for layer in range(model.n_layers)
-             if model.is_moe_layer(layer) for phase, seconds in per_block.items()}
-    return table, total
+        totals[ev.dim] += t
+        layers = [layer for layer in range(model.n_layers)
+                  if ev.dim == "cp" or model.is_moe_layer(layer)]
+        for layer in layers:
+            key = (model.block_unit(layer), ev.phase)
+            table[key] = table.get(key, 0.0) + t / (micro_batches * len(layers))
+    return table, totals
 
 
 def step_time(
@@ -211,6 +226,7 @@ def step_time(
     micro_batch: int, micro_batches: int, os_numel: int, compute: ComputeModel | None = None,
     activation_checkpointing: str = "none", overlap_param_update: bool = False,
     tp: int = 1, tp_seconds: dict | None = None, p_gathers: tuple[int, int] | None = None,
+    cp: int = 1,
 ) -> StepTime:
     """Predicted time of one optimizer step on one rank (module docstring).
 
@@ -219,15 +235,17 @@ def step_time(
     seconds per micro-batch} of TP's collectives (tensor_parallel.tp_seconds_per_micro_batch).
     p_gathers: (forward, backward) all-gathers of each unit per step when they are not one
     per micro-batch (a pipeline stage keeps its parameters gathered, cost/pipeline.py);
-    charged to the first micro-batches."""
+    charged to the first micro-batches. cp: the context-parallel degree (the rank computes
+    seq_len / cp tokens of each sequence; events then hold predicted_cp_events)."""
     cm = compute or ComputeModel()
     L, M = model.n_layers, int(micro_batches)
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch // cp
     tokens_exchange = [ev for ev in events if is_token_exchange(ev)]
     events = [ev for ev in events if not is_token_exchange(ev)]
     per_call, comm_sum, clip, codec = _per_call(events, time_model, cm.hbm_bw, model)
-    ep_seconds, ep_sum = _ep_seconds(model, tokens_exchange, time_model, M)
-    comm_sum += ep_sum
+    ep_seconds, exchanged = _exchange_seconds(model, tokens_exchange, time_model, M)
+    ep_sum, cp_sum = exchanged["ep"], exchanged["cp"]
+    comm_sum += ep_sum + cp_sum
     if ep_seconds:
         tp_seconds = dict(tp_seconds or {})
         for key, seconds in ep_seconds.items():
@@ -332,7 +350,8 @@ def step_time(
         exposed_comm_seconds=max(0.0, seconds - tl.compute_busy),
         mfu=flops / (seconds * cm.peak_flops) if seconds > 0 else 0.0,
         tokens=tokens * M,
-        tp_comm_seconds=max(0.0, tl.tp_busy - ep_sum),
+        tp_comm_seconds=max(0.0, tl.tp_busy - ep_sum - cp_sum),
         codec_seconds=codec,
         ep_comm_seconds=ep_sum,
+        cp_comm_seconds=cp_sum,
     )
