@@ -2,7 +2,7 @@
 # Check this checkout on torchtitan 0.3, in a venv of its own (torchtitan 0.2.2 and 0.3
 # cannot share one; the main venv keeps 0.2.2):
 #
-#   .ci/titan03.sh [--install-only | --subset | --moe]
+#   .ci/titan03.sh [--install-only | --subset | --moe | --cp]
 #
 # builds (or reuses) a venv (TITAN03_VENV, default /tmp/venv-titan03-<checksum of this
 # checkout's path>) that sees the outer Python's packages, with torch 2.13.0 (the outer one
@@ -27,6 +27,11 @@
 # adds qwen3 debugmodel_moe with fp32 experts (about 10 minutes a run: the reference, each
 # pair, and torchtitan's qwen3_debugmodel_moe_param_groups' groups on both sides: docs/moe.md),
 # TITAN03_MOE_PAIRS=<names> picks pairs, TITAN03_MOE_STEPS the steps.
+# --cp runs only the context-parallel parity of (1): AMSP against torchtitan 0.3's own
+# FSDP2 + CP from the same weights, seq_len 512, 10 steps, every step's loss within 1e-4
+# (printed per step in $venv/logs/test_titan03_cp.txt): cp 2 x dp 2 and cp 4 on 4 ranks,
+# plan (2, 2, 4) and torchtitan's layout, cp 2 x dp 2 x tp 2 and hsdp 2 x 2 x cp 2 on 8
+# ranks; TITAN03_CP_CASES=<ids> picks cases, TITAN03_CP_STEPS the steps; and the refusals.
 # Exit 0 when all pass. Wall time on 2 CPU cores: see docs/torchtitan.md ("torchtitan 0.3").
 set -uo pipefail
 
@@ -55,6 +60,15 @@ cd "$repo"
 if [ "$mode" = "--subset" ]; then
   TITAN03_STEPS=5 pytest_tally "$py" "$log/test_titan03.txt" "test_titan03 (subset)" \
     tests/test_titan03.py -k "$SUBSET" || status=1
+  echo "logs in $log"
+  exit "$status"
+fi
+
+if [ "$mode" = "--cp" ]; then
+  TITAN03_CP_CASES=${TITAN03_CP_CASES:-all} \
+    pytest_tally "$py" "$log/test_titan03_cp.txt" "test_titan03 (context-parallel parity)" -s \
+    tests/test_titan03.py -k "context_parallel" || status=1
+  grep -E "^cp[0-9_a-z-]+: |^hsdp[0-9_a-z-]+: |^ +[0-9]+  " "$log/test_titan03_cp.txt"
   echo "logs in $log"
   exit "$status"
 fi

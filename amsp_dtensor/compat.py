@@ -160,6 +160,7 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torch.distributed.tensor.experimental._context_parallel._cp_custom_ops",
      "flex_cp_allgather"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl"),
+    ("torch.nn.attention.flex_attention", "_DEFAULT_SPARSE_BLOCK_SIZE"),
 )
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = private_names()
 
@@ -597,6 +598,15 @@ def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, seq_dim: int, group):
         flex_cp_allgather as gather)
 
     return gather(k.contiguous(), v.contiguous(), seq_dim, group.group_name)
+
+
+def flex_block_size() -> int:
+    """FlexAttention's block (128): under context parallelism torch builds each cp rank's
+    block mask only when the sequence is a multiple of cp x this ("Q_LEN ... is not
+    divisible by CP mesh world size ... * BLOCK_SIZE")."""
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
+
+    return _DEFAULT_SPARSE_BLOCK_SIZE
 
 
 def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:

@@ -58,13 +58,15 @@ def refuse(error: Exception, prog: str = "amsp_dtensor.train") -> int:
     return 2
 
 
-def log_plan(plan, tp: int, version_note: str = "") -> None:
-    """``[amsp] plan p2-g2-os4 on 4 ranks (2 per node) x tensor parallel 2``, on the shown rank."""
+def log_plan(plan, tp: int, version_note: str = "", cp: int = 1) -> None:
+    """``[amsp] plan p2-g2-os4 on 4 ranks (2 per node) x tensor parallel 2``, on the shown
+    rank; under context parallelism ``..., context parallel 2 among them``."""
     from torchtitan.tools.logging import logger
 
+    among = f", context parallel {cp} among them" if cp > 1 else ""
     under_tp = f" x tensor parallel {tp}" if tp > 1 else ""
     logger.info(f"[amsp] plan {plan.name} on {plan.world_size} ranks "
-                f"({plan.ranks_per_node} per node){under_tp}{version_note}")
+                f"({plan.ranks_per_node} per node{among}){under_tp}{version_note}")
 
 
 def run_trainer(build, seed_checkpoint: bool = False) -> int:

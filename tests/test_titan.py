@@ -359,6 +359,27 @@ def test_plan_auto_asks_the_planner():
     assert chosen.world_size == 4 and chosen.ranks_per_node == 2
 
 
+def test_plan_auto_inputs_carry_the_cp_degree():
+    """Under context parallelism the bridge hands the planner the cp degree, and the
+    gradient-accumulation steps of the batch ranks (world / cp): the recipe's global batch
+    of 16 sequences, 2 per micro-batch, over 4 / 2 batch ranks is 4 micro-batches (2
+    without cp). (torchtitan 0.2.2 itself refuses cp before this: validate.py.)"""
+    from amsp_dtensor.plan.cost.planner import plan as planner_plan
+    from amsp_dtensor.titan.planner_bridge import planner_inputs
+    from amsp_dtensor.train import parse_job_config
+
+    cfg = parse_job_config(["--job.config_file", str(RECIPE), "--amsp.plan", "auto",
+                            "--training.seq_len", "512"])
+    assert planner_inputs(cfg, 4, 2)["num_micro_batches"] == 2
+    cfg.parallelism.context_parallel_degree = 2
+    inputs = planner_inputs(cfg, 4, 2)
+    assert inputs["context_parallel_degree"] == 2 and inputs["num_micro_batches"] == 4
+    report = planner_plan(**inputs)
+    assert report.settings["context_parallel_degree"] == 2
+    assert report.best.step.tokens == 512 // 2 * 2 * 4  # seq / cp x micro-batch x 4
+    assert report.best.step.cp_comm_seconds > 0
+
+
 def test_torchtitan_profiler_runs_on_cpu(tmp_path):
     """The CPU shim (9): torchtitan's --profiling.enable_profiling asks for a GPU activity
     that is None on CPU (TypeError in torch.profiler); with the shims its profiler records

@@ -796,3 +796,113 @@ def test_the_plan_is_resolved_once_and_bound_to_the_parallelize_fn(monkeypatch):
     again = prepare(config)  # AmspTrainer.__init__'s
     assert again is plan and plan.name == "p2-g2-os4" and len(calls) == 1
     assert config.model_spec.parallelize_fn.keywords["plan"] is plan
+
+
+# ---- context parallelism against torchtitan 0.3's own FSDP2 + CP ------------------------
+# torchtitan's own (``--model.name llama3``: parallelize_llama's apply_cp_to_forward, then
+# fully_shard over data_parallel_shard_degree x cp) and AMSP's (the same K/V all-gather over
+# the AMSP mesh's cp ranks, the plan over the data-parallel ranks with the cp ranks among
+# them), each from one full seeded initialisation as the FSDP2 tests above; seq_len 512
+# (whole FlexAttention blocks of 128 per cp rank), fp32, one micro-batch of 2 sequences per
+# batch rank, CP_STEPS (10) steps, every step's loss within 1e-4 relative. 4 ranks, 2 per
+# node: cp 2 x dp 2 and cp 4, AMSP (2, 2, 4) and torchtitan's layout (the [amsp] factors
+# "dp": p4-g4-os4, the FSDP group dp_shard x cp); 8 ranks, 4 per node: cp 2 x dp 2 x tp 2
+# and hsdp 2 x 2 x cp 2, torchtitan's layout. .ci/titan03.sh --cp runs them all; the whole
+# module runs the first only (TITAN03_CP_CASES: "all" or a comma-separated list of ids).
+CP_STEPS = int(os.environ.get("TITAN03_CP_STEPS", "10"))
+CP_RUN = ["--training.seq_len", "512", "--training.global_batch_size", "-1",
+          "--training.steps", str(CP_STEPS)]
+LAYOUT = ["--amsp.param_shard", "dp", "--amsp.grad_shard", "dp", "--amsp.optim_shard", "dp"]
+CP_JOBS = {  # job -> (ranks, [parallelism] flags of both sides)
+    "cp2_dp2": (4, ["--parallelism.context_parallel_degree", "2"]),
+    "cp4": (4, ["--parallelism.context_parallel_degree", "4"]),
+    "cp2_dp2_tp2": (8, ["--parallelism.context_parallel_degree", "2",
+                        "--parallelism.tensor_parallel_degree", "2", "--amsp.ranks_per_node", "4"]),
+    "hsdp2x2_cp2": (8, ["--parallelism.context_parallel_degree", "2",
+                        "--parallelism.data_parallel_replicate_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "2",
+                        "--amsp.ranks_per_node", "4"]),
+}
+CP_CASES = {  # id -> (job, AMSP's plan flags, the plan AMSP logs)
+    "cp2_dp2-p2-g2-os4": ("cp2_dp2", _plan(2, 2, 4), "p2-g2-os4 on 4 ranks (2 per node, "
+                          "context parallel 2 among them)"),
+    "cp2_dp2-layout": ("cp2_dp2", LAYOUT, "p4-g4-os4 on 4 ranks (2 per node, context "
+                       "parallel 2 among them)"),
+    "cp4-p2-g2-os4": ("cp4", _plan(2, 2, 4), "p2-g2-os4 on 4 ranks (2 per node, context "
+                      "parallel 4 among them)"),
+    "cp4-layout": ("cp4", LAYOUT, "p4-g4-os4 on 4 ranks (2 per node, context parallel 4 "
+                   "among them)"),
+    "cp2_dp2_tp2-layout": ("cp2_dp2_tp2", LAYOUT, "p4-g4-os4 on 4 ranks (2 per node, context "
+                           "parallel 2 among them) x tensor parallel 2"),
+    "hsdp2x2_cp2-layout": ("hsdp2x2_cp2", LAYOUT, "p4-g4-os4 on 8 ranks (4 per node, context "
+                           "parallel 2 among them)"),
+}
+_cp_cases = os.environ.get("TITAN03_CP_CASES", "cp2_dp2-p2-g2-os4")
+CP_RUN_CASES = list(CP_CASES) if _cp_cases == "all" else _cp_cases.split(",")
+CP_RUN_S = int(os.environ.get("TITAN03_CP_RUN_S", "1800"))
+CP_APPLIED = "Applied Context Parallel (forward wrapping) to the model"  # apply_cp_to_forward
+
+
+@pytest.fixture(scope="module")
+def cp_reference(tmp_path_factory):
+    """job -> (torchtitan 0.3's own FSDP2 + CP losses, its log); each job runs once."""
+    runs = {}
+
+    def get(job: str):
+        if job not in runs:
+            nproc, flags = CP_JOBS[job]
+            dump = tmp_path_factory.mktemp(f"titan_{job}")
+            proc = torchrun([*BASELINE, *flags, *CP_RUN], dump, nproc=nproc, timeout=CP_RUN_S)
+            runs[job] = losses(dump), proc.stdout + proc.stderr
+        return runs[job]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CP_RUN_CASES)
+def test_context_parallel_loss_matches_torchtitan_03_fsdp2_cp(case, cp_reference, tmp_path):
+    job, plan, logged = CP_CASES[case]
+    nproc, flags = CP_JOBS[job]
+    want, titan_log = cp_reference(job)
+    proc = torchrun([*flags, *plan, *CP_RUN], tmp_path, nproc=nproc, timeout=CP_RUN_S)
+    log = proc.stdout + proc.stderr
+    got = losses(tmp_path)
+    print(f"\n{case}: step, torchtitan 0.3 FSDP2 + CP, AMSP, relative difference")
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    sharded = "Applied HSDP to the model" if job.startswith("hsdp") else "Applied FSDP to the model"
+    assert sharded in titan_log and CP_APPLIED in titan_log  # torchtitan 0.3's own apply_fsdp
+    assert CP_APPLIED in log and f"[amsp] plan {logged} (torchtitan 0.3)" in log, log[-3000:]
+    assert len(got) == len(want) == CP_STEPS
+    assert min(want[1:]) < want[0] - 0.5  # it trains
+    assert not _close(got, want), (case, _close(got, want))
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--parallelism.context_parallel_degree", "3"],
+     "parallelism.context_parallel_degree=3: does not divide the 4 data-parallel ranks: "
+     "choose a divisor of 4"),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "250"],
+     "parallelism.context_parallel_degree=2: training.seq_len=250 does not split into 2 x 2 "
+     "chunks (torchtitan's head-tail load balancing); use a multiple of 4"),
+    (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "256"],
+     "parallelism.context_parallel_degree=4: training.seq_len=256 is not a whole number of "
+     "FlexAttention blocks per cp rank (4 x 128, torch's context-parallel block mask); use a "
+     "multiple of 512"),
+    (["--parallelism.context_parallel_degree", "2", "--amsp.optim_shard", "8"],
+     "amsp.optim_shard=8: does not divide the world size 4; valid factors on 4 ranks (2 per "
+     "node): 1, 2, 4 (under parallelism.context_parallel_degree=2 the factors are those of "
+     "the data-parallel world: 4 ranks, the 2 cp ranks of context_parallel_degree=2 among "
+     "them)"),
+    (["--parallelism.context_parallel_degree", "2", *LAYOUT,
+      "--parallelism.data_parallel_shard_degree", "4"],
+     "parallelism.data_parallel_replicate_degree=1, data_parallel_shard_degree=4: 1 x 4 is "
+     "not the 2 data-parallel ranks"),
+    (["--parallelism.context_parallel_degree", "2", *DSV3, *EP2],
+     "parallelism.context_parallel_degree=2 with expert_parallel_degree=2: context "
+     "parallelism beside the experts' own plan is not supported with AMSP yet"),
+], ids=["cp-not-dividing", "seq-not-splitting", "seq-not-whole-blocks",
+        "factor-outside-the-dp-x-cp-world", "dp-degrees-not-the-world", "cp-with-ep"])
+def test_context_parallel_refusals_are_one_line_before_start_up(argv, line):
+    got = _refused(["-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE), *argv])
+    assert got.startswith(f"amsp_dtensor.train: error: {line}"), got

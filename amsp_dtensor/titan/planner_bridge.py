@@ -74,7 +74,8 @@ def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None
     model_args = _model_args(job_config)
     t = job_config.training
     tp = job_config.parallelism.tensor_parallel_degree
-    dp = world // tp  # the data-parallel ranks; each tp group takes one share of the batch
+    cp = job_config.parallelism.context_parallel_degree
+    dp = world // tp // cp  # the batch ranks; each tp (and cp) group takes one share
     gbs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
     _check_pipeline(job_config, pipeline, gbs // (t.local_batch_size * dp))
     micro = job_config.parallelism.pipeline_parallel_microbatch_size if pipeline else None
@@ -95,6 +96,7 @@ def planner_inputs(job_config, world: int, ranks_per_node: int, compression=None
         "bandwidth_table": job_config.amsp.bandwidth_table or None,
         "compression": _compression(job_config, compression),
         "expert_parallel_degree": job_config.parallelism.expert_parallel_degree,
+        "context_parallel_degree": cp,
     }
 
 
@@ -116,7 +118,12 @@ def plan_auto(job_config, world: int, ranks_per_node: int, compression=None,
     except ValueError as e:  # a bad codec name in compress_grads / compress_weights
         raise AmspConfigError(f"amsp.plan='auto': {e}") from None
     accepted = inspect.signature(planner_plan).parameters
-    tp = inputs["tensor_parallel_degree"]
+    tp, cp = inputs["tensor_parallel_degree"], inputs["context_parallel_degree"]
+    if cp > 1 and "context_parallel_degree" not in accepted:
+        raise AmspConfigError(
+            f"amsp.plan='auto' with parallelism.context_parallel_degree={cp}: this checkout's "
+            "planner does not model context parallelism; set param_shard, grad_shard and "
+            "optim_shard instead")
     if tp > 1 and "tensor_parallel_degree" not in accepted:
         raise AmspConfigError(
             f"amsp.plan='auto' with parallelism.tensor_parallel_degree={tp}: this checkout's "

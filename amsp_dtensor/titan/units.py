@@ -134,15 +134,16 @@ _PIPELINE_MESHES: dict = {}  # one mesh per plan and degrees, shared by a rank's
 
 
 def plan_mesh(amsp, plan, tp: int, pp: int, ranks_per_node: int, ep: int = 1,
-              expert_plan=None):
+              expert_plan=None, cp: int = 1):
     """The AMSP mesh of the job's resolved plan (init_mesh keeps that object as the
-    mesh's plan), with the expert mesh of ``expert_plan`` when there is one; under
-    pipeline parallelism one for all stages of this rank (each init_mesh makes process
-    groups: looped schedules parallelize several parts)."""
+    mesh's plan), with the expert mesh of ``expert_plan`` when there is one, and the cp
+    mesh under context parallelism; under pipeline parallelism one for all stages of this
+    rank (each init_mesh makes process groups: looped schedules parallelize several
+    parts)."""
     experts = {} if expert_plan is None else {"ep": ep, "expert_plan": expert_plan}
     if pp == 1:
         return amsp.init_mesh(plan, ranks_per_node=plan.ranks_per_node * tp,
-                              device_type=device_type, tp=tp, **experts)
+                              device_type=device_type, tp=tp, cp=cp, **experts)
     key = (plan.s_p, plan.s_g, plan.s_os, ranks_per_node, tp, pp,
            id(torch.distributed.group.WORLD),
            None if expert_plan is None else (ep, expert_plan.s_p, expert_plan.s_g,
@@ -202,8 +203,10 @@ def shard_units(model: nn.Module, mesh, mp_policy, raf, raf_last, compression,
     return taken
 
 
-def log_applied(plan, tp: int, pp: int, compression, expert_plan=None, ep: int = 1) -> None:
-    under_tp = f" x tp {tp}" if tp > 1 else ""
+def log_applied(plan, tp: int, pp: int, compression, expert_plan=None, ep: int = 1,
+                cp: int = 1) -> None:
+    under_tp = f" (context parallel {cp} among them)" if cp > 1 else ""
+    under_tp += f" x tp {tp}" if tp > 1 else ""
     under_tp += f" (one pipeline stage of {pp})" if pp > 1 else ""
     experts = "" if expert_plan is None else (
         f"; experts: plan {expert_plan.name} on {expert_plan.world_size} expert-world ranks "

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_dtensor.plan.sharding_plan import (STRATEGY_NAMES, ResolvedPlan, ShardingPlan,
-                                             expert_parallel_world, resolve_factor,
-                                             tp_outside_node, valid_factors)
+                                             check_context_parallel, expert_parallel_world,
+                                             resolve_factor, tp_outside_node, valid_factors)
 from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError, unknown_amsp_key
@@ -155,15 +155,20 @@ class DataParallelLayout:
 
 
 def data_parallel_layout(parallelism, dp_world: int, ranks_per_node: int,
-                         tp: int = 1) -> DataParallelLayout:
+                         tp: int = 1, cp: int = 1) -> DataParallelLayout:
     """[parallelism]'s data-parallel degrees resolved as torchtitan's ParallelDims does
-    (shard -1 = the data-parallel ranks left after the replicate degree; CP and PP, which
-    would enter that product, are refused before this) and checked against AMSP's rules:
-    the shard degree is a factor like any [amsp] one (it divides a node or spans whole
-    nodes)."""
+    (shard -1 = the data-parallel ranks left after the replicate and context-parallel
+    degrees) and checked against AMSP's rules: the shard degree is a factor like any
+    [amsp] one (it divides a node or spans whole nodes). ``dp_world`` is the ranks the
+    [amsp] factors range over (world / pp / tp, the cp ranks among them); under context
+    parallelism torchtitan shards the parameters over data_parallel_shard_degree x cp
+    ranks (its "fsdp" mesh, dp_shard_cp), which is the layout's ``shard``."""
     replicate = parallelism.data_parallel_replicate_degree
     shard = parallelism.data_parallel_shard_degree
     world_note = f"world {dp_world * tp} / tensor_parallel_degree {tp}" if tp > 1 else "the world"
+    if cp > 1:
+        world_note += f" / context_parallel_degree {cp}"
+        dp_world //= cp  # the ranks that take their own batches
     for key, value, ok in ((DP_KEYS[0], replicate, lambda v: v >= 1),
                            (DP_KEYS[1], shard, lambda v: v == -1 or v >= 1)):
         if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
@@ -180,14 +185,17 @@ def data_parallel_layout(parallelism, dp_world: int, ranks_per_node: int,
             f"{shard}: {replicate} x {resolved} is not the {dp_world} data-parallel ranks "
             f"({world_note}); set data_parallel_shard_degree = -1 (the rest) or make the "
             f"product {dp_world}")
-    layout = DataParallelLayout(replicate, resolved, replicate, shard)
-    ok = valid_factors(dp_world, ranks_per_node)
-    if resolved not in ok:
+    layout = DataParallelLayout(replicate, resolved * cp, replicate, shard)
+    ok = valid_factors(dp_world * cp, ranks_per_node)
+    if layout.shard not in ok:
+        over = f"{resolved} x context_parallel_degree {cp} = " if cp > 1 else ""
+        degrees = [f // cp for f in ok if f % cp == 0]
         raise AmspConfigError(
-            f"{layout.flags()}: AMSP shards over {resolved} ranks, which spans nodes without "
-            f"filling them ({ranks_per_node} data-parallel ranks per node); a shard group must "
-            f"divide a node or fill whole nodes: use a data_parallel_shard_degree in "
-            f"{', '.join(map(str, ok))} (data_parallel_replicate_degree = {dp_world} / it)")
+            f"{layout.flags()}: AMSP shards over {over}{layout.shard} ranks, which spans nodes "
+            f"without filling them ({ranks_per_node} data-parallel ranks per node); a shard "
+            f"group must divide a node or fill whole nodes: use a data_parallel_shard_degree "
+            f"in {', '.join(map(str, degrees))} (data_parallel_replicate_degree = {dp_world} / "
+            "it)")
     return layout
 
 
@@ -262,10 +270,6 @@ def check_reshard_after_forward(r: bool | int, plan: ResolvedPlan) -> None:
         )
 
 
-# torchtitan's other parallelisms, which AMSP does not compose with (yet): key -> name
-UNSUPPORTED_PARALLELISM = {
-    "context_parallel_degree": "context parallelism",
-}
 # torchtitan's schedules whose backward is split in input and weight halves (zero bubble):
 # an AMSP stage runs them with s_p = 1 only (engine/pipeline.py, [Note: split backward])
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -418,17 +422,10 @@ def pipeline_stage_modules(job_config, pp: int) -> list[list[str]] | None:
 
 
 def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
-    """[parallelism] checked for AMSP: CP refused; the TP degree returned once
-    it divides the ranks per node (TP groups inside a node) and the sequence length (as
-    torchtitan's sequence parallelism needs)."""
+    """[parallelism] tensor_parallel_degree checked for AMSP: returned once it divides the
+    ranks per node (TP groups inside a node) and the sequence length (as torchtitan's
+    sequence parallelism needs)."""
     parallelism = job_config.parallelism
-    for key, name in UNSUPPORTED_PARALLELISM.items():
-        degree = getattr(parallelism, key)
-        if degree != 1:
-            raise AmspConfigError(
-                f"parallelism.{key}={degree}: AMSP composes with data, tensor, pipeline and "
-                f"expert parallelism only; set it to 1 ({name} with AMSP is not implemented)"
-            )
     tp = parallelism.tensor_parallel_degree
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise AmspConfigError(f"parallelism.tensor_parallel_degree={tp!r}: must be a positive int")
@@ -443,6 +440,58 @@ def tensor_parallel_degree(job_config, ranks_per_node: int) -> int:
             "multiple of it (sequence parallelism splits the sequence over the tp ranks)"
         )
     return tp
+
+
+# torchtitan 0.2.2's own context parallelism on CPU (torch's SDPA under DTensor), the
+# error it stops with: AMSP's is built and tested on torchtitan 0.3 only
+CP_ON_TITAN022 = ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not "
+                  "have a sharding strategy")
+
+
+def context_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int) -> int:
+    """[parallelism] context_parallel_degree checked for AMSP on the data-parallel world
+    (``dp_world`` ranks, ``dp_per_node`` per node: the cp ranks are among them, the
+    engine's Note on context parallelism): a cp group (consecutive data-parallel ranks,
+    as torchtitan places them) fits in a node or spans whole nodes, the sequence splits
+    as torchtitan's trainer splits it, dense models only, torchtitan 0.3 only."""
+    from .version import is_titan03
+
+    parallelism = job_config.parallelism
+    cp = parallelism.context_parallel_degree
+    key = f"parallelism.context_parallel_degree={cp!r}"
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise AmspConfigError(f"{key}: must be a positive int")
+    if cp == 1:
+        return 1
+    if not is_titan03():
+        raise AmspConfigError(
+            f"{key}: AMSP runs context parallelism with torchtitan 0.3 (its K/V all-gather "
+            "around FlexAttention); torchtitan 0.2.2's runs SDPA through DTensor, untested "
+            f"with AMSP (on CPU it stops: \"{CP_ON_TITAN022}\"); use torchtitan 0.3 or set "
+            "it to 1")
+    ep = parallelism.expert_parallel_degree
+    keys = experts_configured(job_config.amsp)
+    if ep != 1 or keys:
+        why = (f"expert_parallel_degree={ep}" if ep != 1 else
+               f"amsp.{keys[0]}={getattr(job_config.amsp, keys[0])!r}")
+        raise AmspConfigError(
+            f"{key} with {why}: context parallelism beside the experts' own plan is not "
+            "supported with AMSP yet; set one of them to 1 (or remove the [amsp] expert_* "
+            "factors)")
+    try:
+        check_context_parallel(cp, dp_world, dp_per_node)
+    except ValueError as e:
+        detail = str(e).split(" ", 1)[1]  # the plan rule's text without its "cp=N"
+        on = f" (world / tensor_parallel_degree {tp})" if tp > 1 else ""
+        raise AmspConfigError(f"{key}: {detail}{on}") from None
+    seq_len = job_config.training.seq_len
+    sp = tp if getattr(parallelism, "enable_sequence_parallel", True) else 1  # as 0.3's trainer
+    if seq_len % (2 * cp * sp):
+        under = f" x tensor_parallel_degree {tp} (sequence parallelism)" if sp > 1 else ""
+        raise AmspConfigError(
+            f"{key}: training.seq_len={seq_len} does not split into 2 x {cp} chunks{under} "
+            f"(torchtitan's head-tail load balancing); use a multiple of {2 * cp * sp}")
+    return cp
 
 
 def expert_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int) -> int:
@@ -592,7 +641,9 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
     world, ranks_per_node = pipeline_stage_world(job_config, world, ranks_per_node)
     pp = job_world // world
     tp = tensor_parallel_degree(job_config, ranks_per_node)
-    layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp)
+    cp = context_parallel_degree(job_config, world // tp, ranks_per_node // tp, tp)
+    layout = data_parallel_layout(job_config.parallelism, world // tp, ranks_per_node // tp, tp,
+                                  cp)
     if cfg.plan == "auto" and experts_configured(cfg):
         key = experts_configured(cfg)[0]
         raise AmspConfigError(
@@ -612,12 +663,17 @@ def resolve_plan(job_config, world: int | None = None, ranks_per_node: int | Non
         try:
             plan = resolve_explicit(cfg, world // tp, ranks_per_node // tp, layout)
         except AmspConfigError as e:
-            if tp == 1 and pp == 1:
+            if tp == 1 and pp == 1 and cp == 1:
                 raise
             if pp == 1:
+                among = (f"{world} / {tp} ranks" if tp > 1 else f"{world} ranks") + (
+                    f", the {cp} cp ranks of context_parallel_degree={cp} among them"
+                    if cp > 1 else "")
+                under = (f"parallelism.tensor_parallel_degree={tp}" if tp > 1 else
+                         f"parallelism.context_parallel_degree={cp}")
                 raise AmspConfigError(
-                    f"{e} (under parallelism.tensor_parallel_degree={tp} the factors are those "
-                    f"of the data-parallel world: {world} / {tp} ranks)") from None
+                    f"{e} (under {under} the factors are those of the data-parallel world: "
+                    f"{among})") from None
             raise AmspConfigError(
                 f"{e} (under parallelism.pipeline_parallel_degree={pp} the factors are those of "
                 f"one stage's data-parallel world: {job_world} / {pp}"

@@ -108,7 +108,8 @@ def main(argv: list[str]) -> int:
     except AmspConfigError as e:
         return launcher.refuse(e)
     if plan is not None:
-        launcher.log_plan(plan, config.parallelism.tensor_parallel_degree, " (torchtitan 0.3)")
+        launcher.log_plan(plan, config.parallelism.tensor_parallel_degree, " (torchtitan 0.3)",
+                          config.parallelism.context_parallel_degree)
     elif amsp_given and not config.amsp.init_like_single_process and launcher._rank() == 0:
         logger.warning(f"model {config.model_spec.name} uses torchtitan's own parallelism; the "
                        "[amsp] settings are not used (for AMSP: model.name <name>_amsp)")

@@ -10,6 +10,10 @@ calls it (``bind``), so the plan is resolved once, before any process group, and
 unit reads it from the mesh. The order is parallelize_llama's: tensor and expert
 parallelism (the model's own ``parallelize``), activation checkpointing, per-block
 compile, then the AMSP units (``units.shard_units``) in place of apply_fsdp_to_decoder.
+Under context parallelism the attention's K/V all-gather (torchtitan's
+``apply_cp_to_forward``, first, as there) runs over the AMSP mesh's "cp" ranks, which are
+among the data-parallel ranks the plan's factors range over (engine/mesh.py, Note:
+context parallelism).
 
 MoE models (deepseek_v3, qwen3's MoE flavors): expert parallelism is torchtitan 0.3's
 own, as parallelize_deepseekv3 / parallelize_qwen3 apply it: ``model.parallelize``
@@ -59,8 +63,17 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
             f"parallelism.expert_parallel_degree={ep} / [amsp] expert_*: "
             f"{type(model).__name__} has no routed experts in model.layers[*].moe; set it "
             "to 1 and remove them")
-    mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job), ep, expert_plan)
+    cp = parallel_dims.cp
+    mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job), ep, expert_plan, cp)
     full_init = job.amsp.init_full_model
+    if cp > 1:
+        # before the model's own parallelize, as parallelize_llama: each block's attention
+        # all-gathers K and V over the AMSP mesh's cp ranks (the same ranks as
+        # torchtitan's "cp" mesh, which the trainer splits the inputs over)
+        from torchtitan.distributed.context_parallel import apply_cp_to_forward
+
+        apply_cp_to_forward([block.attention.inner_attention for block in blocks],
+                            amsp.context_parallel_mesh(mesh))
     if tp > 1 or ep > 1:
         # TP and EP first, on the plain model (its sharding configs name the module paths),
         # as parallelize_llama / parallelize_deepseekv3; with full init the weights are made
@@ -85,7 +98,7 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
     compression = shard_units(model, mesh, mixed_precision(training), raf, raf_last,
                               compression_of(job.amsp), keep=full_init,
                               experts=expert_plan is not None)
-    log_applied(plan, tp, pp, compression, expert_plan, ep)
+    log_applied(plan, tp, pp, compression, expert_plan, ep, cp)
     return model
 
 

@@ -78,6 +78,28 @@ def check_job(config) -> None:
             "\"partial_dtensor\"")
 
 
+def check_cp_blocks(config) -> None:
+    """Under context parallelism with FlexAttention (llama3's and qwen3's in 0.3) torch
+    builds each cp rank's block mask only for a sequence of whole cp x 128 blocks; one
+    line here instead of torch's NotImplementedError on every rank in the first step.
+    The rest (cp against the world and the nodes, the head-tail split, the experts) is
+    ``titan.validate.context_parallel_degree``'s, before this."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    from ...compat import flex_block_size
+
+    cp = config.parallelism.context_parallel_degree
+    first = getattr(config.model_spec.model, "first_attention", None)
+    if cp <= 1 or not isinstance(getattr(first, "inner_attention", None), FlexAttention.Config):
+        return
+    seq_len, block = config.training.seq_len, flex_block_size()
+    if seq_len % (cp * block):
+        raise AmspConfigError(
+            f"parallelism.context_parallel_degree={cp}: training.seq_len={seq_len} is not a "
+            f"whole number of FlexAttention blocks per cp rank ({cp} x {block}, torch's "
+            f"context-parallel block mask); use a multiple of {cp * block}")
+
+
 def check_experts(config) -> None:
     """[parallelism] expert_parallel_degree and the [amsp] expert keys against the
     config's model, as 0.2.2 refuses them (``titan.validate.check_model_experts``): on a
@@ -109,6 +131,7 @@ def prepare(config):
     check_job(config)
     job = job_view(config)
     plan = job_plan(job)  # validates [amsp] and [parallelism]; kept on config.amsp
+    check_cp_blocks(config)  # after job_plan's checks of the cp degree itself
     expert_plan = job_expert_plan(job)  # None when the experts belong to their blocks
     config.model_spec = bind(config.model_spec, plan, job, expert_plan)
     if type(config.optimizer) is OptimizersContainer.Config:
