@@ -53,12 +53,14 @@ def cp_checkpoints(rank, world_size, directory, ranks_per_node):
     ((2, 2, 4), 2 micro-batches) after 2 steps, then 2 more steps (the uninterrupted
     curve); loaded under cp 1 ((1, 1, 4), 1 micro-batch) and 2 steps. The reverse: saved
     under cp 1 ((2, 2, 2)) after 2 steps, 2 more; loaded under cp 4 ((4, 4, 4), 4
-    micro-batches) and 2 steps. Returns the four curves of steps 2 and 3 (rank 0)."""
+    micro-batches) and 2 steps; and saved under cp 1 ((2, 2, 2)), loaded under cp 2
+    ((2, 2, 4), 2 micro-batches). Returns the curves of steps 2 and 3 (rank 0)."""
     from amsp_dtensor import checkpoint
 
     out = {}
     for name, (saved, resumed) in {"cp2_to_cp1": (((2, 2, 4), 2, 2), ((1, 1, 4), 1, 1)),
-                                   "cp1_to_cp4": (((2, 2, 2), 1, 1), ((4, 4, 4), 4, 4))}.items():
+                                   "cp1_to_cp4": (((2, 2, 2), 1, 1), ((4, 4, 4), 4, 4)),
+                                   "cp1_to_cp2": (((2, 2, 2), 1, 1), ((2, 2, 4), 2, 2))}.items():
         path = f"{directory}/{name}"
         (plan, cp, micro) = saved
         model, optim = build_cp(plan, cp, ranks_per_node)
