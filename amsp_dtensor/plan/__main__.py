@@ -187,7 +187,7 @@ def _model(args) -> ModelShape:
 def _micro_batches(args, tp: int = 1) -> int:
     if args.global_batch_tokens is None:
         return args.micro_batches or 1
-    cp = getattr(args, "cp", 1)
+    cp = args.cp
     per_step = args.seq_len * args.micro_batch * args.gpus // tp // cp
     if args.global_batch_tokens % per_step:
         ranks = "gpus" if tp == 1 else f"data-parallel ranks (gpus / tp {tp})"

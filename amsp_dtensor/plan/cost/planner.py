@@ -447,16 +447,17 @@ def estimate_plan(
                        dtype_bytes=DTYPE_BYTES[mixed_precision],
                        recompute=activation_checkpointing == "full", **event_args)
     events += _expert_events(**expert_args, compression=compression)
-    events += predicted_cp_events(cp, plan.ranks_per_node, model.n_layers, micro_batch, seq_len,
-                                  model.kv_width // tp, micro_batches,
-                                  DTYPE_BYTES[mixed_precision],
-                                  recompute=activation_checkpointing == "full")
+    cp_events = predicted_cp_events(cp, plan.ranks_per_node, model.n_layers, micro_batch,
+                                    seq_len, model.kv_width // tp, micro_batches,
+                                    DTYPE_BYTES[mixed_precision],
+                                    recompute=activation_checkpointing == "full")
+    events += cp_events
     exact_bytes = None
     if compression is not None:
         exact = predicted_events(plan, shapes, micro_batches, DTYPE_BYTES[mixed_precision],
                                  model.root_unit_index, **event_args)
         exact += _expert_events(**expert_args)
-        exact += [ev for ev in events if ev.dim == "cp"]
+        exact += cp_events
         exact_bytes = bytes_by_locality(exact)
         exact_bytes["wire_inter"] = sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
                                         for e in exact if e.inter_node)
@@ -802,7 +803,7 @@ def _choose_plan(
                   reserve_bytes=reserve_bytes, compute=compute,
                   overlap_param_update=overlap_param_update, backend=backend, tp=tp,
                   loss_parallel=loss_parallel, compression=compression, pipeline=pipeline,
-                  **({"cp": cp} if cp > 1 else {}))
+                  cp=cp)
     plans = enumerate_plans(world_size, ranks_per_node, tp)
     if pipeline is not None and pipeline.split_backward:
         plans = [p for p in plans if p.s_p == 1]  # split backwards need plain parameters
