@@ -763,6 +763,17 @@ def titan03_load_registry_config(manager, argv: list[str]):
     return manager._load_config(argv)
 
 
+def titan03_compile_settings() -> None:
+    """The dynamo settings torchtitan 0.3's ``apply_compile`` makes before it compiles each
+    block, for AMSP's per-block compile on 0.3: scalar outputs captured (MoE's
+    data-dependent dispatch) and the forward's side effects not replayed in an activation
+    checkpoint's recompute. Without the second, the CPU FlexAttention shim's ``create_mask``
+    (a torch function mode entered in forward) stops every compiled block under AC with
+    "HOP: Unsafe side effect ... Attempted to mutate TorchFunctionModeStackVariable()"."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 def titan03_validate_config(manager) -> None:
     """torchtitan 0.3's ConfigManager checks of ``manager.config``, as its parse_args runs
     them after tyro (0.3 keeps them private)."""

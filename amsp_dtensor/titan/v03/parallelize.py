@@ -35,6 +35,7 @@ import functools
 
 import torch.nn as nn
 
+from ... import compat
 from ..config import AmspConfigError
 from ..units import (_blocks, compile_blocks, log_applied, mixed_precision, plan_mesh,
                      routed_experts, shard_units)
@@ -90,6 +91,7 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_model:
+        compat.titan03_compile_settings()
         compile_blocks(model, compile_config)
     if full_init and tp == 1 and ep == 1:
         # Same seed, whole model, every rank: every plan starts from identical weights.
