@@ -2,11 +2,12 @@
 # Check this checkout on torchtitan 0.3, in a venv of its own (torchtitan 0.2.2 and 0.3
 # cannot share one; the main venv keeps 0.2.2):
 #
-#   .ci/titan03.sh [--install-only | --subset | --moe | --cp]
+#   .ci/titan03.sh [--install-only | --subset | --moe | --cp | --lists [tool flags]]
 #
 # builds (or reuses) a venv (TITAN03_VENV, default /tmp/venv-titan03-<checksum of this
-# checkout's path>) that sees the outer Python's packages, with torch 2.13.0 (the outer one
-# when it is that version, else the CPU wheel), torchtitan 0.3.0 and its dependencies, and
+# checkout's path>[-torch<version>]) that sees the outer Python's packages, with torch
+# TITAN03_TORCH (default 2.13.0, the outer one when it is that version, else the CPU wheel;
+# 2.14.1 is a CUDA build that runs on CPU), torchtitan 0.3.0 and its dependencies, and
 # this checkout editable with the titan03 extra; then runs
 #   1. tests/test_titan03.py: AMSP against torchtitan 0.3's own FSDP2 and FSDP2 + TP (20
 #      steps, loss within 1e-4 at every step), a 4-rank checkpoint resumed on 2 ranks
@@ -32,18 +33,23 @@
 # (printed per step in $venv/logs/test_titan03_cp.txt): cp 2 x dp 2 and cp 4 on 4 ranks,
 # plan (2, 2, 4) and torchtitan's layout, cp 2 x dp 2 x tp 2 and hsdp 2 x 2 x cp 2 on 8
 # ranks; TITAN03_CP_CASES=<ids> picks cases, TITAN03_CP_STEPS the steps; and the refusals.
+# --lists runs tools/titan03_lists.py with the flags after it: torchtitan 0.3's own
+# integration lists (the 63 configs of torchtitan_recipes/tests/features.py and models.py),
+# CPU-sized, through AMSP and, where AMSP does not pass, torchtitan's own trainer; the table
+# in outputs/titan03_lists/lists.md (docs/torchtitan.md quotes it; about 2 hours).
 # Exit 0 when all pass. Wall time on 2 CPU cores: see docs/torchtitan.md ("torchtitan 0.3").
 set -uo pipefail
 
 mode=${1:-}
 repo=$(cd "$(dirname "$0")/.." && pwd)
-venv=${TITAN03_VENV:-/tmp/venv-titan03-$(printf %s "$repo" | cksum | cut -d' ' -f1)}
+torch_version=${TITAN03_TORCH:-2.13.0}
+venv=${TITAN03_VENV:-/tmp/venv-titan03-$(printf %s "$repo" | cksum | cut -d' ' -f1)$([ "$torch_version" = 2.13.0 ] || echo "-torch$torch_version")}
 py=$venv/bin/python
 SUBSET="with_tp_2_matches_torchtitan_03 or maps_onto or map_onto_one_torch_optimizer or (bad_input and divide) or resolved_once"
 
 source "$repo/.ci/lib.sh"
 
-if ! venv_install "$venv" 2.13.0 --system-site-packages -e "$repo[titan03]" "pytest>=8"; then
+if ! venv_install "$venv" "$torch_version" --system-site-packages -e "$repo[titan03]" "pytest>=8"; then
   echo "titan03: install failed" >&2
   exit 1
 fi
@@ -71,6 +77,12 @@ if [ "$mode" = "--cp" ]; then
   grep -E "^cp[0-9_a-z-]+: |^hsdp[0-9_a-z-]+: |^ +[0-9]+  " "$log/test_titan03_cp.txt"
   echo "logs in $log"
   exit "$status"
+fi
+
+if [ "$mode" = "--lists" ]; then
+  shift
+  OMP_NUM_THREADS=1 "$py" tools/titan03_lists.py "$@"
+  exit $?
 fi
 
 if [ "$mode" = "--moe" ]; then

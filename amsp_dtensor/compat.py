@@ -774,6 +774,30 @@ def titan03_compile_settings() -> None:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
+def pipeline_step_takes_microbatches() -> bool:
+    """Whether torch's pipeline schedules take the micro-batches already split
+    (``step(arg_mbs=, kwarg_mbs=, target_mbs=)``: torch 2.14+), as torchtitan 0.3's
+    trainer passes them. torch 2.13's ``step`` has no such parameters: they land in its
+    ``**kwargs`` and are split again, and every rank stops in the first step with
+    "Expecting 8 arg_mbs but got 1" (torchtitan 0.3's own pipeline runs too)."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return "arg_mbs" in inspect.signature(PipelineScheduleSingle.step).parameters
+
+
+def titan03_pipeline_split(parallel_dims, parallelism, model_config) -> list[list[str]]:
+    """torchtitan 0.3's pipeline_llm split of a model config into the module names of each
+    stage (``_get_pipeline_metadata`` and ``_generate_llm_fqn_per_model_part``; 0.3 made
+    0.2.2's public ``generate_llm_fqn_per_model_part`` private). Raises their ValueError."""
+    from torchtitan.distributed import pipeline_parallel as pp
+
+    stages, layers, first, last = pp._get_pipeline_metadata(parallel_dims, parallelism,
+                                                            model_config)
+    return pp._generate_llm_fqn_per_model_part(stages, layers, first, last)
+
+
 def titan03_validate_config(manager) -> None:
     """torchtitan 0.3's ConfigManager checks of ``manager.config``, as its parse_args runs
     them after tyro (0.3 keeps them private)."""

@@ -37,7 +37,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from amsp_dtensor import compat
 from amsp_dtensor.titan.version import is_titan03
 from test_titan import REPO, RECIPE, losses, scalars, torchrun
 from test_titan_moe import PAIRS as MOE_PAIRS, _plan as _moe_plan
@@ -400,8 +402,17 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process_group(args, line):
 # amsp_dtensor.titan.v03, with a registry entry made of torchtitan's own feature-test
 # configs (amsp_config), and torchtitan's own launcher (torchtitan.train.main, with the CPU
 # shims as .ci/titan03.sh runs it: on CPU its module imports triton before ours could shim it).
-PP_REFUSED = ("error: parallelism.pipeline_parallel_degree=2: AMSP on torchtitan 0.3 runs "
-              "without pipeline parallelism (not ported from 0.2.2 yet); set it to 1")
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+if compat.pipeline_step_takes_microbatches():  # torch 2.14+: zero bubble with s_p > 1
+    PP_REFUSED_FLAGS = [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+    PP_REFUSED = ("error: parallelism.pipeline_parallel_schedule='ZBVZeroBubble': splits each "
+                  "backward into input and weight halves (zero bubble), which AMSP runs with "
+                  "amsp.param_shard = 1 only (the plan has 2)")
+else:  # torch 2.13: every pipeline degree
+    PP_REFUSED_FLAGS = PP2
+    PP_REFUSED = ("error: parallelism.pipeline_parallel_degree=2: torchtitan 0.3 hands torch's "
+                  "pipeline schedule its micro-batches already split, which torch "
+                  f"{torch.__version__} does not take")
 FEATURE_ENTRIES = """
 from torchtitan_recipes.tests import features
 
@@ -410,10 +421,6 @@ from amsp_dtensor.titan.v03.config_registry import amsp_config
 
 def fsdp2_pp2_1f1b():
     return amsp_config(features.llama3_debugmodel_fsdp2_pp2_1f1b())
-
-
-def float8_emulate_lora_tp2_pp2():
-    return amsp_config(features.llama3_debugmodel_float8_emulate_lora_tp2_pp2())
 """
 TITAN_LAUNCHER = ("from amsp_dtensor.titan.v03 import cpu_compat; cpu_compat.apply(); "
                   "from torchtitan.train import main; main()")
@@ -436,26 +443,27 @@ def _refused(argv: list[str], pythonpath: str = str(REPO)) -> str:
     return errors[0]
 
 
-PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
-
-
 @pytest.mark.parametrize("path", ["toml", "registry", "torchtitan_feature_config",
-                                  "torchtitan_float8_lora_config", "torchtitans_launcher"])
-def test_pipeline_parallel_is_refused_in_one_line_on_every_launch_path(path, tmp_path):
+                                  "torchtitans_launcher"])
+def test_a_pipeline_refusal_is_one_line_on_every_launch_path(path, tmp_path):
+    """Under torch 2.13 every pipeline degree (torch's schedule does not take 0.3's split
+    micro-batches), from 2.14 on a zero-bubble schedule over sharded parameters: the same
+    line on every path, before any process group."""
     pythonpath, prog = str(REPO), "amsp_dtensor.train"
+    flags = PP_REFUSED_FLAGS
     if path == "toml":
-        argv = ["-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE), *PP2]
+        argv = ["-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE), *flags,
+                "--amsp.optim_shard", "2"]  # the recipe's 4 is over a stage's 2 dp ranks
     elif path == "registry":
-        argv = ["-m", "amsp_dtensor.train", *REGISTRY, *PP2]
+        argv = ["-m", "amsp_dtensor.train", *REGISTRY, *flags]
     elif path == "torchtitans_launcher":
-        argv, prog = ["-c", TITAN_LAUNCHER, *REGISTRY, *PP2], "amsp_dtensor.titan.v03"
-    else:  # pp = 2 set by torchtitan's own config, no flag
+        argv, prog = ["-c", TITAN_LAUNCHER, *REGISTRY, *flags], "amsp_dtensor.titan.v03"
+    else:  # pp = 2 set by torchtitan's own config; the schedule (2.14+) by a flag
         (tmp_path / "pp_entries.py").write_text(FEATURE_ENTRIES)
         pythonpath = os.pathsep.join([str(REPO), str(tmp_path)])
-        name = ("fsdp2_pp2_1f1b" if path == "torchtitan_feature_config"
-                else "float8_emulate_lora_tp2_pp2")
-        argv = ["-m", "amsp_dtensor.train", "--module", "pp_entries", "--config", name]
-    assert _refused(argv, pythonpath) == f"{prog}: {PP_REFUSED}"
+        argv = ["-m", "amsp_dtensor.train", "--module", "pp_entries", "--config",
+                "fsdp2_pp2_1f1b", *flags[len(PP2):]]
+    assert _refused(argv, pythonpath).startswith(f"{prog}: {PP_REFUSED}")
 
 
 DSV3 = ["--model.name", "deepseek_v3_amsp", "--model.flavor", "debugmodel",
@@ -914,3 +922,75 @@ def test_context_parallel_loss_matches_torchtitan_03_fsdp2_cp(case, cp_reference
 def test_context_parallel_refusals_are_one_line_before_start_up(argv, line):
     got = _refused(["-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE), *argv])
     assert got.startswith(f"amsp_dtensor.train: error: {line}"), got
+
+
+# ---- pipeline parallelism against torchtitan 0.3's own FSDP2 + PP (torch 2.14+) ---------
+# torchtitan 0.3's pipeline_llm cuts the model on both sides; AMSP's parallelize_fn runs on
+# every stage and the engine schedules each stage's gradient sync once per step. Both sides
+# load one seed checkpoint (model only: torchtitan's init differs per stage), fp32, 4
+# micro-batches of 1 per rank, PP_STEPS (10) steps, every step's loss within 1e-4 relative,
+# on test_titan_pp's configurations: pp 2 x dp 2 with 1F1B and Interleaved1F1B (2 stages
+# per rank), pp 2 x dp 2 x tp 2 on 8 ranks, plan p2-g2-os2. And a checkpoint moving between
+# pp 2 x dp 2 and pp 1 x dp 2 x tp 2, as test_titan_pp_checkpoint on 0.2.2.
+needs_pp = pytest.mark.skipif(
+    not compat.pipeline_step_takes_microbatches(),
+    reason=f"torchtitan 0.3's pipeline schedules need torch 2.14+ (torch {torch.__version__}): "
+           "TITAN03_TORCH=2.14.1 .ci/titan03.sh")
+PP_STEPS = int(os.environ.get("TITAN03_PP_STEPS", "10"))
+PP_RUN = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+          "--training.global_batch_size", "-1", "--training.steps", str(PP_STEPS)]
+
+
+@pytest.fixture(scope="module")
+def pp_seed(tmp_path_factory):
+    from test_titan import save_seed_checkpoint
+
+    return save_seed_checkpoint(tmp_path_factory.mktemp("pp_seed"))
+
+
+@needs_pp
+@pytest.mark.parametrize("config", ["1F1B", "Interleaved1F1B", "1F1B-tp2"])
+def test_pipeline_matches_torchtitan_03s_own_fsdp2_pp(config, pp_seed, tmp_path):
+    from test_titan_pp import CONFIGS, TIMEOUT, _load
+
+    nproc, flags = CONFIGS[config]
+    args = [*PP_RUN, *flags, *_load(pp_seed)]
+    torchrun(["--model.name", "llama3", *args], tmp_path / "titan", nproc=nproc,
+             timeout=TIMEOUT[nproc])
+    proc = torchrun([*args, *_plan(2, 2, 2)], tmp_path / "amsp", nproc=nproc,
+                    timeout=TIMEOUT[nproc])
+    log = proc.stdout + proc.stderr
+    assert "Applied AMSP plan p2-g2-os2" in log and "one pipeline stage of 2" in log
+    want, got = losses(tmp_path / "titan"), losses(tmp_path / "amsp")
+    print(f"{config} p2-g2-os2 (torchtitan 0.3): " + ", ".join(
+        f"step {step} AMSP {g:.6f} torchtitan {w:.6f} rel {abs(g - w) / abs(w):.1e}"
+        for step, (g, w) in enumerate(zip(got, want), start=1)))
+    assert len(got) == len(want) == PP_STEPS
+    assert want[-1] < want[0] - 0.5  # it trains
+    assert not _close(got, want), (got, want)
+
+
+@needs_pp
+@pytest.mark.parametrize("saved_by, resumed_by", [("PP", "NO_PP"), ("NO_PP", "PP")])
+def test_pipeline_checkpoint_resumes_under_another_pp_degree_on_03(saved_by, resumed_by,
+                                                                   pp_seed, tmp_path):
+    """Step 2's full checkpoint of one configuration resumed by a fresh job of the other:
+    its steps 3-5 are the saving configuration's uninterrupted steps 3-5 (test_titan_pp_
+    checkpoint's setup: both have dp 2, so the data loader state loads as saved)."""
+    from test_titan_pp_checkpoint import COMMON, CONFIGS, SAVED_AT, STEPS
+
+    saved = tmp_path / "saved"
+    torchrun([*COMMON, *CONFIGS[saved_by], "--checkpoint.initial_load_path", str(pp_seed)],
+             saved, timeout=600)
+    want = losses(saved)
+    step = f"step-{SAVED_AT}"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(saved / "checkpoint" / step, resumed / "checkpoint" / step)
+    proc = torchrun([*COMMON, *CONFIGS[resumed_by]], resumed, timeout=600)
+    assert f"checkpoint/{step}" in proc.stdout + proc.stderr
+    got = losses(resumed)
+    print(f"{saved_by} -> {resumed_by} (torchtitan 0.3): " + ", ".join(
+        f"step {s} resumed {g:.6f} uninterrupted {w:.6f} rel {abs(g - w) / abs(w):.1e}"
+        for s, g, w in zip(range(SAVED_AT + 1, STEPS + 1), got, want[SAVED_AT:])))
+    assert len(want) == STEPS and len(got) == STEPS - SAVED_AT  # not from scratch
+    assert not _close(got, want[SAVED_AT:]), (got, want)

@@ -28,7 +28,7 @@ from .weights import clean_fqn
 OPTIMIZER_CLASSES = {name: getattr(torch.optim, name) for name in OPTIMIZER_NAMES}
 RESIDUALS = "amsp_residuals"  # + ".<part>": one model part's residuals, under OPTIMIZER
 _PART_KEYED = "amsp_optim"  # + ".<part>" / ".stage<i>": the optimizer entries of older checkpoints
-# model part -> its pipeline stage index (specs.amsp_pipelining_fn notes it)
+# model part -> its pipeline stage index (units.amsp_pipelining_fn notes it)
 PIPELINE_STAGE_OF: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 

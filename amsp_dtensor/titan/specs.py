@@ -40,8 +40,9 @@ from ..compat import titan_builtin_models, titan_extra_train_specs
 from .config import AmspConfigError
 from .dataloader import reshardable_dataloader_fn
 from .metrics import build_amsp_metrics_processor
-from .optimizer import PIPELINE_STAGE_OF, build_amsp_optimizers
+from .optimizer import build_amsp_optimizers
 from .parallelize import _blocks, amsp_parallelize_fn, is_amsp_parallelize_fn, tp_apply_fn
+from .units import amsp_pipelining_fn
 from .validate import check_model_experts
 
 SUFFIX = "_amsp"
@@ -79,28 +80,6 @@ def _amsp_optimizers_like(base_fn):
     if base_fn is build_optimizers_with_moe_load_balancing:
         return functools.partial(build_amsp_optimizers, balance_load=True)
     return build_amsp_optimizers
-
-
-def amsp_pipelining_fn(base_fn):
-    """``base_fn`` (torchtitan's pipelining_fn, e.g. pipeline_llm: it cuts the model into
-    stages and calls the parallelize_fn, AMSP's, on each part), then every stage of the
-    schedule handed to the engine; None stays None."""
-    if base_fn is None:
-        return None
-
-    def pipeline_amsp(*args, **kwargs):
-        import amsp_dtensor as amsp
-
-        from ..compat import pipeline_schedule_stages
-
-        schedule, model_parts, has_first, has_last = base_fn(*args, **kwargs)
-        for stage in pipeline_schedule_stages(schedule):
-            amsp.pipeline_stage(stage)
-            PIPELINE_STAGE_OF[stage.submod] = stage.stage_index
-        return schedule, model_parts, has_first, has_last
-
-    pipeline_amsp.__qualname__ = f"pipeline_amsp[{getattr(base_fn, '__qualname__', base_fn)}]"
-    return pipeline_amsp
 
 
 def register_amsp_variant(base_name: str) -> str:

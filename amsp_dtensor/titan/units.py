@@ -24,6 +24,7 @@ from torchtitan.tools.utils import device_type
 
 from .. import compat
 from ..engine import handle
+from .amsp_optimizers import PIPELINE_STAGE_OF
 from .config import AmspConfigError
 from .weights import keep_weights
 
@@ -217,3 +218,24 @@ def log_applied(plan, tp: int, pp: int, compression, expert_plan=None, ep: int =
         f"node; mesh {plan.mesh_shape}" + experts
         + (f"; cross-node stages compressed: {compression}" if compression.enabled else "")
     )
+
+
+def amsp_pipelining_fn(base_fn):
+    """``base_fn`` (torchtitan's pipelining_fn, e.g. pipeline_llm, the same function and
+    return value in 0.2.2 and 0.3: it cuts the model into stages and calls the
+    parallelize_fn, AMSP's, on each part), then every stage of the schedule handed to the
+    engine; None stays None."""
+    if base_fn is None:
+        return None
+
+    def pipeline_amsp(*args, **kwargs):
+        import amsp_dtensor as amsp
+
+        schedule, model_parts, has_first, has_last = base_fn(*args, **kwargs)
+        for stage in compat.pipeline_schedule_stages(schedule):
+            amsp.pipeline_stage(stage)
+            PIPELINE_STAGE_OF[stage.submod] = stage.stage_index
+        return schedule, model_parts, has_first, has_last
+
+    pipeline_amsp.__qualname__ = f"pipeline_amsp[{getattr(base_fn, '__qualname__', base_fn)}]"
+    return pipeline_amsp

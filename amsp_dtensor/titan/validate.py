@@ -376,8 +376,12 @@ def pipeline_stage_modules(job_config, pp: int) -> list[list[str]] | None:
     """The module names of every pipeline stage, as torchtitan's pipeline_llm cuts them
     (same arithmetic, same split function, on the model's layer count), or the user's
     module_fqns_per_model_part; None for a model torchtitan does not know (it names it
-    itself). Raises AmspConfigError where pipeline_llm would raise."""
+    itself). Raises AmspConfigError where pipeline_llm would raise. A job read off a
+    torchtitan 0.3 config brings its own (``v03.job.pipeline_stage_modules``)."""
     import math
+
+    if hasattr(job_config, "pipeline_stage_modules"):  # torchtitan 0.3
+        return job_config.pipeline_stage_modules(pp)
 
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part

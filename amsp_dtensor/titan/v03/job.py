@@ -173,4 +173,23 @@ def job_view(config) -> types.SimpleNamespace:
         compile=config.compile,
     )
     view.planner_model_args = lambda: planner_model(config)
+    view.pipeline_stage_modules = lambda pp: pipeline_stage_modules(config, pp)
     return view
+
+
+def pipeline_stage_modules(config, pp: int) -> list[list[str]]:
+    """The module names of every pipeline stage, as torchtitan 0.3's pipeline_llm cuts
+    them (its own two functions, on the model config), or the config's
+    module_fqns_per_model_part. Where pipeline_llm would raise after start-up, one
+    AmspConfigError line now."""
+    from ...compat import titan03_pipeline_split
+
+    parallelism = config.parallelism
+    if parallelism.module_fqns_per_model_part is not None:
+        return parallelism.module_fqns_per_model_part  # the user's own split: torchtitan checks it
+    try:
+        return titan03_pipeline_split(types.SimpleNamespace(pp=pp), parallelism,
+                                      config.model_spec.model)
+    except ValueError as e:
+        raise AmspConfigError(f"parallelism.pipeline_parallel_degree={pp}: "
+                              f"{str(e).splitlines()[0]}") from None

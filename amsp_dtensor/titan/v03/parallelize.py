@@ -37,8 +37,8 @@ import torch.nn as nn
 
 from ... import compat
 from ..config import AmspConfigError
-from ..units import (_blocks, compile_blocks, log_applied, mixed_precision, plan_mesh,
-                     routed_experts, shard_units)
+from ..units import (_blocks, amsp_pipelining_fn, compile_blocks, log_applied,
+                     mixed_precision, plan_mesh, routed_experts, shard_units)
 from ..validate import compression_of, job_ranks_per_node, reshard_after_forward_of
 from ..weights import init_full_model
 
@@ -56,7 +56,7 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
             "(amsp_dtensor.titan.v03.AmspTrainer.Config, e.g. the *_amsp config registry "
             "entries, or python -m amsp_dtensor.train)")
     blocks = _blocks(model)  # one unit per transformer block, in model.layers
-    tp, pp, ep = parallel_dims.tp, parallel_dims.pp, parallel_dims.ep  # pp is 1: check_job
+    tp, pp, ep = parallel_dims.tp, parallel_dims.pp, parallel_dims.ep
     if expert_plan is not None and not any(map(routed_experts, blocks)):
         # check_job refuses this before start-up from the model's config; here in case a
         # model builds its MoE layers some other way
@@ -84,6 +84,8 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
         swaps = {}
         if tp > 1:
             swaps["tp"] = mesh["tp"]
+            if isinstance(parallel_dims, _TpLookup):  # a pipeline stage's part
+                parallel_dims.amsp_tp = mesh["tp"]
         if ep > 1:
             swaps["ep"] = amsp.expert_mesh(mesh)["ep"]
         model.parallelize(_AmspMeshDims(parallel_dims, swaps))
@@ -152,11 +154,53 @@ def is_amsp(spec) -> bool:
 
 def amsp_model_spec(spec):
     """``spec`` (a 0.3 ModelSpec) trained by AMSP: its parallelize_fn is parallelize_amsp,
-    its name gets ``_amsp``; pipelining is not offered."""
+    its pipelining_fn (pipeline_llm) hands each stage to the engine, its name gets
+    ``_amsp``."""
     if is_amsp(spec):
         return spec
     return dataclasses.replace(spec, name=f"{spec.name}_amsp", parallelize_fn=parallelize_amsp,
-                               pipelining_fn=None)
+                               pipelining_fn=_pipelining_on_amsp_tp(spec.pipelining_fn))
+
+
+def _pipelining_on_amsp_tp(base_fn):
+    """``base_fn`` (0.3's pipeline_llm) made AMSP's (``units.amsp_pipelining_fn``), with
+    its mesh lookup answering "tp" with the AMSP mesh's tp dimension.
+
+    [Note: the pipeline's mesh lookup] torch 2.14's pipeline stages send a DTensor as a
+    plain tensor plus its mesh's names and layout; the receiving stage rebuilds it on the
+    mesh torchtitan's callback returns for those names (``parallel_dims.get_mesh``), which
+    must have the same layout. Under TP the stage's activations are DTensors on the AMSP
+    mesh's tp dimension, not on torchtitan's own tp mesh, and the lookup failed in the
+    first step ("Mesh lookup failed: callback returned None for mesh_dim_names=('tp',)").
+    pipeline_llm builds that callback from the parallel_dims it is given, so it gets one
+    whose "tp" is the AMSP mesh's tp dimension, which parallelize_amsp sets on it when it
+    parallelizes a part (before any step)."""
+    pipelining = amsp_pipelining_fn(base_fn)
+    if pipelining is None:
+        return None
+
+    def pipeline_amsp(model, *, parallel_dims, **kwargs):
+        # parallelize_amsp sets amsp_tp on every part it parallelizes
+        return pipelining(model, parallel_dims=_TpLookup(parallel_dims), **kwargs)
+
+    pipeline_amsp.__qualname__ = pipelining.__qualname__
+    return pipeline_amsp
+
+
+class _TpLookup:
+    """torchtitan's ParallelDims whose ``get_mesh(["tp"])`` is ``amsp_tp`` once set (see
+    [Note: the pipeline's mesh lookup]); everything else is torchtitan's."""
+
+    def __init__(self, parallel_dims):
+        self._dims, self.amsp_tp = parallel_dims, None
+
+    def get_mesh(self, names):
+        if self.amsp_tp is not None and list(names) == ["tp"]:
+            return self.amsp_tp
+        return self._dims.get_mesh(names)
+
+    def __getattr__(self, name):
+        return getattr(self._dims, name)
 
 
 def bind(spec, plan, job, expert_plan=None):

@@ -26,6 +26,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ... import launching as launcher
+from ...compat import pipeline_step_takes_microbatches
 from ..checkpoint_guard import refuse_misfits
 from ..reshard_data import Reshardable, dataloader_keys_before_load
 from ..config import Amsp, AmspConfigError
@@ -47,12 +48,14 @@ def check_job(config) -> None:
     The one place for these refusals: every launch path (the TOML, ``--module/--config``,
     torchtitan's own launcher) reaches it through ``prepare`` before any process group."""
     pp = config.parallelism.pipeline_parallel_degree
-    if pp > 1:
-        # first: the plan resolution (titan.validate) reads 0.2.2's pipeline split, which
-        # 0.3 no longer has, and torchtitan would call the spec's pipelining_fn (none)
+    if pp > 1 and not pipeline_step_takes_microbatches():
+        import torch
+
         raise AmspConfigError(
-            f"parallelism.pipeline_parallel_degree={pp}: AMSP on torchtitan 0.3 runs without "
-            "pipeline parallelism (not ported from 0.2.2 yet); set it to 1")
+            f"parallelism.pipeline_parallel_degree={pp}: torchtitan 0.3 hands torch's pipeline "
+            f"schedule its micro-batches already split, which torch {torch.__version__} does "
+            "not take (every rank would stop with \"Expecting 8 arg_mbs but got 1\", "
+            "torchtitan's own runs too); use torch 2.14 or later, or set it to 1")
     if isinstance(config.loss, ChunkedLossWrapper.Config):
         raise AmspConfigError(
             "loss=ChunkedLossWrapper: it runs the lm_head chunk by chunk outside the model's "
@@ -173,7 +176,8 @@ class AmspTrainer(AmspSteps, Trainer):
             self._amsp_overlap(amsp_cfg, amsp_cfg.overlap_param_update)
             if getattr(self.checkpointer, "enable", False):
                 self.checkpointer.states[RNG_KEY] = RngState()
-                self.checkpointer.dcp_load = refuse_misfits(self.checkpointer.dcp_load)
+                self.checkpointer.dcp_load = refuse_misfits(
+                    self.checkpointer.dcp_load, pipelined=self.parallel_dims.pp > 1)
                 if isinstance(self.dataloader, Reshardable):
                     self.checkpointer.dcp_load = dataloader_keys_before_load(
                         self.checkpointer.dcp_load, self.dataloader)
