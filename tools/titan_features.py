@@ -88,6 +88,7 @@ class Run:
     result: str  # PASS, REFUSED, CRASH
     detail: str = ""  # the refusal line, the crash's last error line, or the plan applied
     seconds: float = 0.0
+    loss: str = ""  # the last step's loss, where the caller reads it
 
 
 def classify(proc: subprocess.CompletedProcess, amsp: bool) -> Run:
@@ -106,7 +107,7 @@ def classify(proc: subprocess.CompletedProcess, amsp: bool) -> Run:
     if proc.returncode == 124:
         return Run("CRASH", "timed out")
     errors = [line.strip() for line in err
-              if re.search(r"(Error|Exception|error:|Fatal|Segmentation)", line)
+              if re.search(r"(Error|Exception|error:|Fatal|Segmentation|exc\.Unsupported)", line)
               and "ChildFailedError" not in line and "elastic" not in line]
     return Run("CRASH", (errors[-1] if errors else f"exit {proc.returncode}")[:300])
 
