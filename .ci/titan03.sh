@@ -20,7 +20,8 @@
 #      amsp_dtensor/titan/v03/cpu_compat.py: the fact that 0.3 itself trains here.
 # --subset runs only the part of (1) that the main suite runs through
 # tests/test_titan03_venv.py: AMSP (2, 2, 2) x tp 2 against torchtitan 0.3's FSDP2 + TP at 5
-# steps, the TOML mapping, the param-group mapping, one refusal, the plan resolved once.
+# steps, the TOML mapping, the param-group mapping, one refusal, the plan resolved once, a
+# seed checkpoint made by an AMSP job.
 # --moe runs only the MoE parity of (1): AMSP against torchtitan 0.3's own FSDP2 + EP 2,
 # deepseek_v3 debugmodel on 4 CPU ranks from the same weights, 3 (dense plan, expert plan)
 # pairs, 10 steps, every step's loss within 1e-5 (printed per step in
@@ -45,7 +46,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 torch_version=${TITAN03_TORCH:-2.13.0}
 venv=${TITAN03_VENV:-/tmp/venv-titan03-$(printf %s "$repo" | cksum | cut -d' ' -f1)$([ "$torch_version" = 2.13.0 ] || echo "-torch$torch_version")}
 py=$venv/bin/python
-SUBSET="with_tp_2_matches_torchtitan_03 or maps_onto or map_onto_one_torch_optimizer or (bad_input and divide) or resolved_once"
+SUBSET="with_tp_2_matches_torchtitan_03 or maps_onto or map_onto_one_torch_optimizer or (bad_input and divide) or resolved_once or seed_checkpoint_of_an_amsp"
 
 source "$repo/.ci/lib.sh"
 

@@ -994,3 +994,26 @@ def test_pipeline_checkpoint_resumes_under_another_pp_degree_on_03(saved_by, res
         for s, g, w in zip(range(SAVED_AT + 1, STEPS + 1), got, want[SAVED_AT:])))
     assert len(want) == STEPS and len(got) == STEPS - SAVED_AT  # not from scratch
     assert not _close(got, want[SAVED_AT:]), (got, want)
+
+
+def test_a_seed_checkpoint_of_an_amsp_job_is_torchtitans_initial_model(tmp_path):
+    """``checkpoint.create_seed_checkpoint`` with an AMSP model on 0.3, where torchtitan skips
+    the parallelize_fn (so the optimizer is torchtitan's own, not AMSP's, which needs its
+    units): the saved step 0 holds the same weights as torchtitan's own seed checkpoint of
+    the same seed, tensor for tensor."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from test_titan import save_seed_checkpoint
+
+    one_rank = ("--amsp.param_shard", "1", "--amsp.grad_shard", "1", "--amsp.optim_shard", "1",
+                "--amsp.ranks_per_node", "1")  # the recipe's factors are for 4 ranks
+    saved = {}
+    for name, flags in (("llama3_amsp", one_rank), ("llama3", ())):
+        step = save_seed_checkpoint(tmp_path / name, ("--model.name", name, *flags))
+        dcp_to_torch_save(step, tmp_path / f"{name}.pt")
+        saved[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    amsp, titan = saved["llama3_amsp"], saved["llama3"]
+    weights = sorted(k for k in titan if k.startswith("layers.") or k in ("tok_embeddings.weight",
+                                                                         "output.weight"))
+    assert len(weights) > 20 and sorted(amsp) == sorted(titan)
+    for key in weights:
+        assert torch.equal(amsp[key], titan[key]), key

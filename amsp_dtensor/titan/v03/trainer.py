@@ -137,6 +137,17 @@ def prepare(config):
     check_cp_blocks(config)  # after job_plan's checks of the cp degree itself
     expert_plan = job_expert_plan(job)  # None when the experts belong to their blocks
     config.model_spec = bind(config.model_spec, plan, job, expert_plan)
+    if config.checkpoint.create_seed_checkpoint:
+        # torchtitan 0.3 skips the parallelize_fn for a seed checkpoint (the initialised
+        # model saved on one rank): there are no AMSP units to build an AMSP optimizer on
+        # ("Llama3Model is not an AMSP root"), so the optimizer is torchtitan's own
+        if isinstance(config.optimizer, AmspOptimizersContainer.Config):
+            config.optimizer = OptimizersContainer.Config(
+                param_groups=list(config.optimizer.param_groups),
+                implementation=config.optimizer.implementation,
+                optimizer_factory_kwargs_by_name=dict(
+                    config.optimizer.optimizer_factory_kwargs_by_name))
+        return plan
     if type(config.optimizer) is OptimizersContainer.Config:
         config.optimizer = amsp_optimizer_config(config.optimizer)
     elif not isinstance(config.optimizer, AmspOptimizersContainer.Config):
