@@ -3,7 +3,8 @@ with torchtitan 0.3.0 beside this one (which keeps 0.2.2: the two cannot share o
 there, from tests/test_titan03.py: AMSP (2, 2, 2) x tp 2 against torchtitan 0.3's own
 FSDP2 + TP, 4 CPU ranks, from the same weights, the loss at every step within 1e-4 (5 steps
 here, as the 0.2.2 equivalence tests run 4); the TOML mapped onto 0.3's config; a plan that
-does not divide the world refused in one line; the plan resolved once. It is the part of
+does not divide the world refused in one line; the plan resolved once; a seed checkpoint
+made by an AMSP job (one rank, in-process). It is the part of
 0.3's integration the main suite can pay for: the 0.3 trainer, parallelize_fn, tensor
 parallelism through 0.3's model sharding and the config mapping, two 4-rank runs. The whole
 module (also AMSP (2, 2, 4) against FSDP2, 20 steps each, the checkpoint resumed on 2 ranks,
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     is_titan03(), reason="torchtitan 0.3 is installed here: tests/test_titan03.py runs directly")
 
 # the tests the subset must have run (a -k that matched fewer would pass with less)
-SUBSET_TESTS = 5
+SUBSET_TESTS = 6
 
 
 def test_torchtitan_03_subset_passes_in_its_own_venv():
