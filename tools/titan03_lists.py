@@ -27,9 +27,10 @@ Results: PASS, REFUSED (exit 2 with one line ``amsp_dtensor.train: error: ...``)
 side's loss at its last step (each trainer from its own initial weights: not a parity
 check; tests/test_titan03.py compares losses from the same weights). Prints a markdown
 table (also OUT/lists.md and OUT/lists.json; a run with ``--only`` replaces those rows of
-an earlier table in OUT); exit 0 when every config torchtitan's own trainer passes also
-passes through AMSP. ``--spmd-backend spmd_types`` runs both sides with 0.3's default
-backend on torchtitan's side (``amsp_config`` gives AMSP's side ``partial_dtensor``).
+an earlier table in OUT, keeping the earlier torchtitan result where it ran none); exit 0
+when every config torchtitan's own trainer passes also passes through AMSP.
+``--spmd-backend spmd_types`` runs torchtitan's side with 0.3's default backend
+(``amsp_config`` gives AMSP's side ``partial_dtensor``).
 """
 
 from __future__ import annotations
@@ -253,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     earlier = work / "lists.json"
     if args.only and earlier.is_file():  # a rerun of some configs: the others' rows kept
         by_name = {r["config"]: r for r in json.loads(earlier.read_text())}
-        by_name.update({r["config"]: r for r in rows})
+        for r in rows:  # a rerun without the reference keeps the earlier reference's result
+            old = by_name.get(r["config"], {})
+            if r["torchtitan"] is None and old.get("torchtitan") is not None:
+                r.update({k: old[k] for k in ("torchtitan", "torchtitan_detail",
+                                              "torchtitan_loss")})
+            by_name[r["config"]] = r
         order = [n for l in LISTS for n in load_list(l)]
         rows = sorted(by_name.values(), key=lambda r: order.index(r["config"]))
     table = ["| list | config | ranks | AMSP | plan / reason | s | last loss | torchtitan's "
