@@ -130,32 +130,14 @@ def free_port() -> int:
 CURRENT: dict = {"proc": None, "load": None}
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            # the fields after the command's closing parenthesis: state, ppid, ...
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def kill_group(proc):
     """SIGKILL the run's process group and every process below it: torchrun starts each
     rank in a session of its own, out of the group's reach, so a sweep stopped by hand left
     its ranks running until they found their peers gone."""
     if proc is None:
         return
+    from cluster.launch import descendants  # tools/ is on sys.path (this script's folder)
+
     for pid in [proc.pid, *descendants(proc.pid)]:
         for kill in (os.killpg, os.kill):
             try:

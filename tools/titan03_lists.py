@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                         "spmd_types, stops on CPU under torch 2.13)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
-    from titan_features import _locked
+    from titan_features import _locked, own_result, report
 
     from amsp_dtensor.data import ensure_assets
     from amsp_dtensor.titan.v03 import cpu_compat
@@ -262,24 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             by_name[r["config"]] = r
         order = [n for l in LISTS for n in load_list(l)]
         rows = sorted(by_name.values(), key=lambda r: order.index(r["config"]))
-    table = ["| list | config | ranks | AMSP | plan / reason | s | last loss | torchtitan's "
-             "own | its last loss |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        own = "" if r["torchtitan"] is None else (
-            r["torchtitan"] + (f": {r['torchtitan_detail']}" if r["torchtitan_detail"] else ""))
-        table.append(f"| {r['list']} | {r['config']} | {r['ranks']} | {r['amsp']} | "
-                     f"{r['detail'].replace('|', '/')} | {r['seconds']} | {r['loss']} | "
-                     f"{own.replace('|', '/')} | {r['torchtitan_loss'] or ''} |")
-    text = "\n".join(table)
-    print(text)
-    (work / "lists.md").write_text(text + "\n")
-    (work / "lists.json").write_text(json.dumps(rows, indent=1) + "\n")
-    gaps = [r["config"] for r in rows if r["amsp"] != "PASS" and r["torchtitan"] == "PASS"]
-    tally = {k: sum(r["amsp"] == k for r in rows) for k in ("PASS", "REFUSED", "CRASH")}
-    print(f"{len(rows)} configs: {tally['PASS']} pass, {tally['REFUSED']} refused in one "
-          f"line, {tally['CRASH']} crash; torchtitan passes where AMSP does not: "
-          f"{', '.join(gaps) or 'none'}")
-    return 1 if gaps else 0
+    columns = ["list", "config", "ranks", "AMSP", "plan / reason", "s", "last loss",
+               "torchtitan's own", "its last loss"]
+    return report(rows, "config", columns, lambda r: [
+        r["list"], r["config"], r["ranks"], r["amsp"], r["detail"], r["seconds"], r["loss"],
+        own_result(r), r["torchtitan_loss"] or ""], work / "lists")
 
 
 if __name__ == "__main__":

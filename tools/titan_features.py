@@ -230,20 +230,34 @@ def main(argv: list[str] | None = None) -> int:
                "torchtitan_detail": None if titan is None else titan.detail}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    table = ["| test | ranks | AMSP | plan / reason | s | torchtitan's own (where AMSP does not pass) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        own = "" if r["torchtitan"] is None else (
-            r["torchtitan"] + (f": {r['torchtitan_detail']}" if r["torchtitan_detail"] else ""))
-        table.append(f"| {r['test']} | {r['ranks']} | {r['amsp']} | "
-                     f"{r['detail'].replace('|', '/')} | {r['seconds']} | {own.replace('|', '/')} |")
+    columns = ["test", "ranks", "AMSP", "plan / reason", "s",
+               "torchtitan's own (where AMSP does not pass)"]
+    return report(rows, "test", columns, lambda r: [
+        r["test"], r["ranks"], r["amsp"], r["detail"], r["seconds"], own_result(r)],
+        work / "features")
+
+
+def own_result(row: dict) -> str:
+    """torchtitan's own result of a row, with its reason; "" where it did not run."""
+    if row["torchtitan"] is None:
+        return ""
+    return row["torchtitan"] + (f": {row['torchtitan_detail']}"
+                                if row["torchtitan_detail"] else "")
+
+
+def report(rows: list[dict], key: str, columns: list[str], cells, stem: Path) -> int:
+    """Print the rows as a markdown table (also ``stem``.md, and ``stem``.json) and the
+    tally; exit code 1 where torchtitan's own trainer passes and AMSP does not."""
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(str(c).replace("|", "/") for c in cells(r)) + " |"
+              for r in rows]
     text = "\n".join(table)
     print(text)
-    (work / "features.md").write_text(text + "\n")
-    (work / "features.json").write_text(json.dumps(rows, indent=1) + "\n")
-    gaps = [r["test"] for r in rows if r["amsp"] != "PASS" and r["torchtitan"] == "PASS"]
+    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    gaps = [r[key] for r in rows if r["amsp"] != "PASS" and r["torchtitan"] == "PASS"]
     tally = {k: sum(r["amsp"] == k for r in rows) for k in ("PASS", "REFUSED", "CRASH")}
-    print(f"{len(rows)} tests: {tally['PASS']} pass, {tally['REFUSED']} refused in one line, "
+    print(f"{len(rows)} {key}s: {tally['PASS']} pass, {tally['REFUSED']} refused in one line, "
           f"{tally['CRASH']} crash; torchtitan passes where AMSP does not: "
           f"{', '.join(gaps) or 'none'}")
     return 1 if gaps else 0
