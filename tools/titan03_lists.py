@@ -88,6 +88,13 @@ def ranks(name: str, config) -> int:
     return max(n, 4) if p.data_parallel_shard_degree == -1 else n
 
 
+def _ranks_or_none(name: str) -> int | None:
+    try:
+        return ranks(name, config_of(name))
+    except Exception:
+        return None
+
+
 def save_of(name: str) -> str | None:
     """The ``*_save`` config whose dump folder a ``*_load*`` config resumes from."""
     head, sep, _ = name.rpartition("_load")
@@ -168,9 +175,12 @@ def sft_data(work: Path, n: int = 64) -> None:
 
 
 def run(list_name: str, name: str, work: Path, timeout: int, amsp: bool):
-    from titan_features import classify
+    from titan_features import Run, classify
 
-    config = config_of(name)
+    try:
+        config = config_of(name)
+    except Exception as e:  # torchtitan's config function itself (a missing package)
+        return Run("CRASH", f"{type(e).__name__}: {e} (building the config)")
     folder = work / (save_of(name) or name)
     dump = folder / ("amsp" if amsp else "torchtitan")
     folder.mkdir(parents=True, exist_ok=True)
@@ -244,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             titan = None
             if args.reference == "all" or (args.reference == "failing" and amsp.result != "PASS"):
                 titan = run(list_name, name, work, args.timeout, amsp=False)
-        row = {"list": list_name, "config": name, "ranks": ranks(name, config_of(name)),
+        row = {"list": list_name, "config": name, "ranks": _ranks_or_none(name),
                "amsp": amsp.result, "detail": amsp.detail, "seconds": round(amsp.seconds),
                "loss": amsp.loss, "torchtitan_loss": None if titan is None else titan.loss,
                "torchtitan": None if titan is None else titan.result,
