@@ -24,8 +24,9 @@
 # seed checkpoint made by an AMSP job.
 # --moe runs only the MoE parity of (1): AMSP against torchtitan 0.3's own FSDP2 + EP 2,
 # deepseek_v3 debugmodel on 4 CPU ranks from the same weights, 3 (dense plan, expert plan)
-# pairs, 10 steps, every step's loss within 1e-5 (printed per step in
-# $venv/logs/test_titan03_moe.txt; about 5 minutes); TITAN03_MOE_MODELS=deepseek_v3,qwen3
+# pairs, and beside tp 2 (ep 4 and ep 2) against its FSDP2 + TP + EP, 10 steps, every
+# step's loss within 1e-5 (printed per step in $venv/logs/test_titan03_moe.txt; about 10
+# minutes); TITAN03_MOE_MODELS=deepseek_v3,qwen3
 # adds qwen3 debugmodel_moe with fp32 experts (about 10 minutes a run: the reference, each
 # pair, and torchtitan's qwen3_debugmodel_moe_param_groups' groups on both sides: docs/moe.md),
 # TITAN03_MOE_PAIRS=<names> picks pairs, TITAN03_MOE_STEPS the steps.
@@ -88,7 +89,7 @@ fi
 
 if [ "$mode" = "--moe" ]; then
   pytest_tally "$py" "$log/test_titan03_moe.txt" "test_titan03 (MoE parity)" -s \
-    tests/test_titan03.py -k "moe_loss_matches or moe_param_groups" || status=1
+    tests/test_titan03.py -k "moe_loss_matches or moe_param_groups or beside_tp" || status=1
   grep -E "^(deepseek_v3|qwen3) |^ +[0-9]+  " "$log/test_titan03_moe.txt"
   echo "logs in $log"
   exit "$status"

@@ -41,6 +41,10 @@ def _message(fn) -> str | None:
     return None
 
 
+def _ranks(mesh) -> list[int]:
+    return sorted(torch.distributed.get_process_group_ranks(mesh.get_group()))
+
+
 def error_case(rank, world):
     """Misuse of the expert API on the ranks: {name: the message raised, or None}."""
     import amsp_dtensor as amsp
@@ -54,8 +58,14 @@ def error_case(rank, world):
         "ep_not_dividing": _message(lambda: init(plan, ep=3)),
         "expert_plan_too_big": _message(
             lambda: init(plan, ep=2, expert_plan=amsp.ShardingPlan(1, 1, 4))),
-        "ep_with_tp": _message(lambda: init(amsp.ShardingPlan(1, 1, 2), ep=2, tp=2)),
     }
+    # beside tp 2, EP spans the tp ranks: this rank's groups of the dense and expert meshes
+    for ep, expert_plan in ((2, None), (4, amsp.ShardingPlan(1, 1, 1))):
+        dense = init(amsp.ShardingPlan(1, 1, 2), ep=ep, tp=2, expert_plan=expert_plan)
+        experts = amsp.expert_mesh(dense)
+        out[f"groups_tp2_ep{ep}"] = {
+            **{dim: _ranks(dense[dim]) for dim in ("tp", "os")},
+            **{f"expert_{dim}": _ranks(experts[dim]) for dim in ("ep", "os")}}
     # nothing was left half-made: a valid mesh pair builds and its groups work
     mesh = moe_mesh((2, 2, 4), (1, 1, 2), 2, PER_NODE)
     ones = torch.ones(1)

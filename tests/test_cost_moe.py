@@ -205,8 +205,9 @@ def test_bad_expert_input():
         choose_plan("llama3_8b", ep=2, **JOB)
     with pytest.raises(ValueError, match="ep=3 does not divide"):
         choose_plan("deepseek_v3_16b", ep=3, **JOB)
-    with pytest.raises(ValueError, match="neither tp='auto' nor pipeline"):
-        choose_plan("deepseek_v3_16b", ep=8, tp="auto", **JOB)
+    for tp in ("auto", 2):
+        with pytest.raises(ValueError, match="neither tensor nor pipeline parallelism with "):
+            choose_plan("deepseek_v3_16b", ep=8, tp=tp, **JOB)
 
 
 def test_full_checkpointing_runs_eps_all_to_alls_again():

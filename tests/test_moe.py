@@ -223,6 +223,11 @@ def test_expert_parallel_world():
         expert_parallel_world(8, 4, 3)
     with pytest.raises(ValueError, match="ep must be a positive int"):
         expert_parallel_world(8, 4, 0)
+    # beside tp, EP spans the tp ranks: torchtitan's efsdp = dp x tp / ep
+    assert expert_parallel_world(2, 1, 4, tp=2) == (1, 1)
+    assert expert_parallel_world(4, 2, 2, tp=2) == (4, 2)
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the data-parallel world x tp 2 of 8"):
+        expert_parallel_world(4, 2, 3, tp=2)
 
 
 def test_misuse_errors(world):
@@ -231,7 +236,13 @@ def test_misuse_errors(world):
     assert out["expert_plan_too_big"].startswith("expert_plan: the expert plan's factors are "
                                                  "those of the expert world")
     assert "(2 ranks, 1 per node)" in out["expert_plan_too_big"]
-    assert "expert parallelism with tensor parallelism is not supported" in out["ep_with_tp"]
+    # rank 0's groups beside tp 2, against torchtitan's meshes over the same 4 ranks: the
+    # dense (dp 2, tp 2) and the sparse (efsdp = dp x tp / ep, ep), both row-major
+    for ep in (2, 4):
+        dense, sparse = torch.arange(4).reshape(2, 2), torch.arange(4).reshape(4 // ep, ep)
+        assert out[f"groups_tp2_ep{ep}"] == {
+            "tp": dense[0].tolist(), "os": dense[:, 0].tolist(),
+            "expert_ep": sparse[0].tolist(), "expert_os": sparse[:, 0].tolist()}, ep
     assert out["ep_group_sum"] == 2.0  # the mesh built after the refusals works
     assert "amsp.init_mesh(plan, ep=N)" in out["no_expert_mesh"]
     assert "shard the experts on amsp.expert_mesh(mesh)" in out["experts_on_dense_mesh"]

@@ -219,6 +219,9 @@ def test_compile_with_the_default_backend_gives_torchtitans_compiled_losses(tmp_
 # each its own optimizer and kwargs), as qwen3_debugmodel_moe_param_groups mixes them: the
 # embeddings and head (AdamW, no decay), the norms (Adam), the rest (AdamW, decay 0.1)
 GROUP_ENTRIES = """
+import os
+import shlex
+
 from torchtitan.components.optimizer import ParamGroupConfig
 
 from amsp_dtensor.titan.v03 import toml_config
@@ -235,7 +238,8 @@ GROUPS = [
 
 
 def _grouped(*flags):
-    values, _ = toml_config.read(["--job.config_file", RECIPE, *flags])
+    values, _ = toml_config.read(["--job.config_file", RECIPE, *flags,
+                                  *shlex.split(os.environ["AMSP_TEST_FLAGS"])])
     config = toml_config.build(values)
     config.optimizer.param_groups = list(GROUPS)
     return config
@@ -285,25 +289,16 @@ def test_param_groups_map_onto_one_torch_optimizer_or_are_refused_in_one_line():
         assert str(e.value) == line
 
 
-def _registry_run(entries: str, name: str, dump, steps: int, tmp_path) -> list[float]:
+def _registry_run(entries: str, name: str, dump, steps: int) -> list[float]:
     """``torchrun -m amsp_dtensor.train --module <entries> --config <name>`` on 4 ranks."""
-    (tmp_path / "group_entries.py").write_text(entries.replace("RECIPE", repr(str(RECIPE))))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]))
-    proc = subprocess.run(
-        ["timeout", str(RUN_S), sys.executable, "-m", "torch.distributed.run",
-         "--nproc_per_node", "4", "--standalone", "-m", "amsp_dtensor.train",
-         "--module", "group_entries", "--config", name, "--dump_folder", str(dump),
-         "--training.steps", str(steps)],
-        cwd=REPO, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    _entries_torchrun(entries, name, ["--training.steps", str(steps)], dump, timeout=RUN_S)
     return losses(dump)
 
 
 def test_param_groups_of_two_optimizers_match_torchtitan_03s_own(fsdp, tmp_path):
     steps = min(STEPS, 5)
-    want = _registry_run(GROUP_ENTRIES, "titan_groups", tmp_path / "titan", steps, tmp_path)
-    got = _registry_run(GROUP_ENTRIES, "amsp_groups", tmp_path / "amsp", steps, tmp_path)
+    want = _registry_run(GROUP_ENTRIES, "titan_groups", tmp_path / "titan", steps)
+    got = _registry_run(GROUP_ENTRIES, "amsp_groups", tmp_path / "amsp", steps)
     assert not _close(got, want), (got, want)
     # the groups change training: one AdamW group (the fsdp run) is far from both
     assert len(_close(losses(fsdp[0])[:steps], want)) >= steps - 1, (losses(fsdp[0]), want)
@@ -491,23 +486,23 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
       "--amsp.expert_grad_shard", "1"],
      "amsp.expert_grad_shard=1: expert plan param=2, grad=1, optim=2 breaks"),
     (["--job.config_file", str(RECIPE), *DSV3, *EP2, "--parallelism.tensor_parallel_degree",
-      "2", "--amsp.optim_shard", "2"],
-     "parallelism.expert_parallel_degree=2 with tensor_parallel_degree=2: expert parallelism "
-     "beside tensor parallelism is not supported"),
+      "2", "--amsp.plan", "auto"],
+     "amsp.plan='auto' with parallelism.tensor_parallel_degree=2 and expert_parallel_degree=2: "
+     "the planner has no tensor parallelism beside experts; set param_shard"),
     (["--job.config_file", str(RECIPE), *DSV3, *EP2, "--compile.enable"],
      "compile.enable=True with parallelism.expert_parallel_degree=2: per-block torch.compile "
      "stops at the routed experts' own AMSP unit"),
 ], ids=["ep-on-a-dense-model-toml", "ep-on-a-dense-model-registry",
         "expert-keys-on-a-dense-model", "ep-not-dividing-experts",
-        "expert-factor-outside-the-expert-world", "expert-chain-rule", "ep-with-tp",
+        "expert-factor-outside-the-expert-world", "expert-chain-rule", "auto-with-ep-and-tp",
         "compile-with-ep"])
 def test_expert_refusals_are_one_line_before_start_up_on_03(argv, line):
     """What cannot work with experts is refused as on 0.2.2 (titan.validate's checks, the
     same lines as tests/test_titan_moe.py's), one line and exit 2 before any process
     group: expert parallelism or expert factors on a dense model, an EP degree that does
     not split the experts, expert factors outside the expert world or breaking the chain
-    rules, EP beside TP; and, checked on 0.3 only, per-block compile with EP (under the
-    recorder's dispatch mode dynamo compiles nothing)."""
+    rules, plan = "auto" beside EP and TP (the planner has no TP with experts); and,
+    checked on 0.3 only, per-block compile with EP (a graph break at the experts' unit)."""
     got = _refused(["-m", "amsp_dtensor.train", *argv])
     assert got.startswith(f"amsp_dtensor.train: error: {line}"), got
 
@@ -601,7 +596,7 @@ def _fp32(config) -> int:
 
 
 def moe():
-    argv = ["--job.config_file", RECIPE, *shlex.split(os.environ["AMSP_TEST_MOE_FLAGS"])]
+    argv = ["--job.config_file", RECIPE, *shlex.split(os.environ["AMSP_TEST_FLAGS"])]
     config = toml_config.build(toml_config.read(argv)[0])
     if not _fp32(config.model_spec.model):
         raise ValueError("no GroupedExperts.Config in the model config to make fp32")
@@ -619,23 +614,29 @@ def moe_param_groups():
 
 def _moe_torchrun(model: str, args: list[str], dump, nproc: int = 4, entry: str = "moe"):
     """``torchrun`` of the MoE runs: the TOML flags ``args``; for FP32_MOE_MODELS through
-    FP32_MOE_ENTRIES' ``entry`` (``--module/--config``, the same TOML flags) with fp32
-    experts."""
+    FP32_MOE_ENTRIES' ``entry`` with fp32 experts."""
     env = MOE_ENV.get(model)
     if model not in FP32_MOE_MODELS:
         return torchrun(args, dump, nproc=nproc, timeout=MOE_RUN_S, env=env)
+    return _entries_torchrun(FP32_MOE_ENTRIES, entry, args, dump, nproc=nproc, env=env)
+
+
+def _entries_torchrun(source: str, entry: str, args: list[str], dump, nproc: int = 4,
+                      env=None, timeout: int = MOE_RUN_S):
+    """``torchrun ... -m amsp_dtensor.train --module <source> --config <entry>``: the
+    entries module ``source`` (RECIPE filled in) written beside ``dump``, its entries
+    building the TOML job with the flags ``args`` (AMSP_TEST_FLAGS)."""
     import shlex
     entries = dump.parent / f"{dump.name}_entries"
     entries.mkdir()
-    (entries / "fp32_moe_entries.py").write_text(
-        FP32_MOE_ENTRIES.replace("RECIPE", repr(str(RECIPE))))
+    (entries / "test_entries.py").write_text(source.replace("RECIPE", repr(str(RECIPE))))
     flags = ["--job.dump_folder", str(dump), *args]
     proc = subprocess.run(
-        ["timeout", str(MOE_RUN_S), sys.executable, "-m", "torch.distributed.run",
+        ["timeout", str(timeout), sys.executable, "-m", "torch.distributed.run",
          "--nproc_per_node", str(nproc), "--standalone", "-m", "amsp_dtensor.train",
-         "--module", "fp32_moe_entries", "--config", entry],
+         "--module", "test_entries", "--config", entry],
         cwd=REPO, capture_output=True, text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1", AMSP_TEST_MOE_FLAGS=shlex.join(flags),
+        env=dict(os.environ, OMP_NUM_THREADS="1", AMSP_TEST_FLAGS=shlex.join(flags),
                  PYTHONPATH=os.pathsep.join([str(REPO), str(entries)]), **(env or {})))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     return proc
@@ -708,7 +709,7 @@ def test_the_fp32_experts_are_every_moe_layers_and_compute_in_fp32(tmp_path, mon
     (tmp_path / "fp32_moe_entries.py").write_text(
         FP32_MOE_ENTRIES.replace("RECIPE", repr(str(RECIPE))))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("AMSP_TEST_MOE_FLAGS", "--model.name qwen3_amsp "
+    monkeypatch.setenv("AMSP_TEST_FLAGS", "--model.name qwen3_amsp "
                        "--model.flavor debugmodel_moe --training.seq_len 64")
     _sys.modules.pop("fp32_moe_entries", None)
     entries = importlib.import_module("fp32_moe_entries")
@@ -728,6 +729,45 @@ def test_the_fp32_experts_are_every_moe_layers_and_compute_in_fp32(tmp_path, mon
                       for e, xe in ((0, x[:4]), (2, x[4:10]))])
     assert out.dtype == torch.float64 and torch.equal(out[10:], torch.zeros(2, 8))
     assert torch.allclose(out[:10], want, rtol=1e-12, atol=0)
+
+
+# Expert parallelism beside tensor parallelism, as torchtitan 0.3 runs it: its sparse mesh
+# (efsdp, ep) unflattens dp_shard x cp x tp, so the EP group spans the tp ranks and each
+# MoE layer splits its tokens over them before the all-to-all. deepseek_v3 debugmodel (8
+# experts), 4 ranks as 2 nodes x 2, tp 2: the dense layers over 2 data-parallel ranks (1
+# per node), the experts over efsdp = 2 x 2 / ep ranks. (ep, dense plan, expert plan):
+EP_TP_CASES = {
+    "tp2-ep4": (4, (2, 2, 2), (1, 1, 1)),  # qwen3_debugmodel_moe_param_groups' tp 2 x ep 4
+    "tp2-ep2": (2, (1, 1, 2), (2, 2, 2)),  # ep 2: the EP groups are the tp pairs
+}
+
+
+@pytest.mark.parametrize("case", EP_TP_CASES)
+def test_expert_parallelism_beside_tp_matches_torchtitan_03s_own(case, moe_reference, tmp_path):
+    """AMSP against torchtitan 0.3's own FSDP2 + TP + EP at the same degrees, from the same
+    weights, every step of MOE_STEPS within 1e-5 relative."""
+    ep, dense, expert = EP_TP_CASES[case]
+    saved, _, _ = moe_reference("deepseek_v3")
+    flags = [*MOE_MODELS["deepseek_v3"], "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.expert_parallel_degree", str(ep), "--training.steps",
+             str(MOE_STEPS), *_initial_weights(saved)]
+    titan = torchrun(["--model.name", "deepseek_v3", *flags], tmp_path / "titan",
+                     timeout=MOE_RUN_S)
+    proc = torchrun(["--model.name", "deepseek_v3_amsp", *flags, *_moe_plan(dense, expert)],
+                    tmp_path / "amsp", timeout=MOE_RUN_S)
+    got, want = losses(tmp_path / "amsp"), losses(tmp_path / "titan")
+    print(f"\ndeepseek_v3 {case}: step, torchtitan 0.3 FSDP2 + TP + EP, AMSP, relative difference")
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    assert "Applied FSDP to the model" in titan.stdout + titan.stderr
+    world = 2 * 2 // ep
+    assert (f"experts: plan p{expert[0]}-g{expert[1]}-os{expert[2]} on {world} expert-world "
+            f"ranks x ep {ep}") in proc.stdout + proc.stderr
+    assert len(got) == len(want) == MOE_STEPS
+    assert min(want[1:]) < want[0] - 0.05  # it trains
+    far = [(s, a, b) for s, (a, b) in enumerate(zip(got, want), start=1)
+           if abs(a - b) > MOE_REL_TOL * abs(b)]
+    assert not far, (case, far)
 
 
 @pytest.mark.skipif("qwen3" not in MOE_RUN_MODELS, reason="qwen3 MoE: TITAN03_MOE_MODELS")

@@ -167,8 +167,8 @@ def test_deepseek_v3_pipeline_and_expert_parallel_on_8_ranks(reference, tmp_path
      "layer, which 3 ranks cannot split evenly"),
     ([*MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
       "2", "--amsp.optim_shard", "2"], 4, 2,
-     "parallelism.expert_parallel_degree=2 with tensor_parallel_degree=2: expert parallelism "
-     "beside tensor parallelism is not supported"),
+     "parallelism.expert_parallel_degree=2 with tensor_parallel_degree=2: AMSP runs expert "
+     "parallelism beside tensor parallelism with torchtitan 0.3"),
     ([*MOE, "--parallelism.expert_parallel_degree", "2",
       "--parallelism.expert_tensor_parallel_degree", "2"], 4, 2,
      "parallelism.expert_tensor_parallel_degree=2: AMSP runs the routed experts without "

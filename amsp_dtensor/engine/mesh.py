@@ -45,6 +45,12 @@ world. A grouped expert weight [experts, ...] split by EP as Shard(0) on "ep" an
 on the rows of its EP-local piece reads as Shard(0) on "ep", then "p", "g", "os": the
 TP nesting rule again. ``MeshInfo.mp_dim`` names that first dim ("tp" or "ep"), and the
 expert mesh records its collectives as "expert_p", "expert_g", ... (``label``).
+Beside tensor parallelism (tp > 1), EP spans the tp ranks as well, as torchtitan's sparse
+mesh (efsdp, ep) unflattens dp_shard x cp x tp: the model splits each MoE layer's tokens
+over its tp ranks before dispatching them (sequence parallel), so every rank sends tokens
+of its own. The EP group is then ep consecutive ranks of the stage (tp fastest), the
+expert world the stage's W x tp / ep ranks, and the experts' gradients are averaged over
+the data-parallel world like the dense ones (each token reaches its experts once).
 
 [Note: context parallelism] Context parallelism (CP, degree cp) splits each sequence over
 cp consecutive data-parallel ranks with the same tp index: each computes the gradients of
@@ -389,11 +395,7 @@ def _resolved_expert(plan, expert_plan, ep, dp_world, dp_per_node, tp, pp):
     mesh (ep 1 and no expert_plan)."""
     if expert_plan is None and ep == 1 and not isinstance(ep, bool):
         return None
-    e_world, e_per_node = expert_parallel_world(dp_world, dp_per_node, ep)
-    if tp > 1:
-        raise ValueError(
-            f"ep={ep} with tp={tp}: expert parallelism with tensor parallelism is not "
-            "supported yet; use tp=1 (experts and dense layers data-parallel) or ep=1")
+    e_world, e_per_node = expert_parallel_world(dp_world, dp_per_node, ep, tp)
     if expert_plan is None:
         if isinstance(plan, ResolvedPlan):
             plan = ShardingPlan(plan.s_p, plan.s_g, plan.s_os)
@@ -413,8 +415,7 @@ def _build(resolved: ResolvedPlan, device_type: str, job_world: int, job_per_nod
     stage = _stage_rank_tensor(resolved.mesh_shape, stage_world, mp)
     stage_dims = (*((mp_dim,) if mp > 1 else ()), *MESH_DIMS)
     if pp == 1:
-        mesh = stage_mesh = DeviceMesh(device_type, stage.contiguous(),
-                                       mesh_dim_names=stage_dims)
+        stage_mesh = DeviceMesh(device_type, stage.contiguous(), mesh_dim_names=stage_dims)
         job_mesh = None
     else:
         rank_tensor = torch.stack([stage + i * stage_world for i in range(pp)]).contiguous()

@@ -261,28 +261,32 @@ def data_parallel_world(
     return world_size // t, ranks_per_node // t
 
 
-def expert_parallel_world(dp_world: int, dp_per_node: int, ep) -> tuple[int, int]:
+def expert_parallel_world(dp_world: int, dp_per_node: int, ep, tp: int = 1) -> tuple[int, int]:
     """(W_e, R_e): the expert data-parallel world under expert parallelism of degree ep,
     and its ranks per node.
 
-    The ep ranks that split the experts are consecutive data-parallel ranks (torchtitan
-    carves "ep" out of the innermost data-parallel dims), so an EP group either sits
-    inside a node (ep divides the DP ranks per node) or spans whole nodes (a multiple of
+    The ep ranks that split the experts are consecutive ranks (torchtitan carves "ep" out
+    of its innermost data-parallel dims, and beside tensor parallelism out of the tp ranks
+    too: its (efsdp, ep) mesh unflattens dp_shard x cp x tp), so an EP group either sits
+    inside a node (ep divides the ranks per node) or spans whole nodes (a multiple of
     them). The ranks holding the same experts, one per EP group, form the expert world:
-    W / ep ranks, R / ep of them per node, or 1 when an EP group spans nodes. The expert
-    plan's factors are factors of that world, checked by the same rules."""
+    W x tp / ep ranks, R x tp / ep per node, or 1 when an EP group spans nodes (W, R: the
+    data-parallel ranks and those per node). The expert plan's factors are factors of
+    that world, checked by the same rules."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be a positive int (the expert-parallel degree), got {ep!r}")
-    if dp_world % ep:
+    world, per_node = dp_world * tp, dp_per_node * tp
+    under = "" if tp == 1 else f" x tp {tp}"
+    if world % ep:
         raise ValueError(
-            f"ep={ep} does not divide the data-parallel world of {dp_world} ranks: every "
+            f"ep={ep} does not divide the data-parallel world{under} of {world} ranks: every "
             "expert-parallel group needs the same number of ranks; choose ep dividing it")
-    if dp_per_node % ep and ep % dp_per_node:
+    if per_node % ep and ep % per_node:
         raise ValueError(
-            f"ep={ep} with {dp_per_node} data-parallel ranks per node: an expert-parallel "
+            f"ep={ep} with {per_node} data-parallel{under} ranks per node: an expert-parallel "
             "group must fit in a node or span whole nodes (consecutive ranks); choose ep "
-            f"dividing {dp_per_node} or a multiple of it")
-    return dp_world // ep, max(1, dp_per_node // ep)
+            f"dividing {per_node} or a multiple of it")
+    return world // ep, max(1, per_node // ep)
 
 
 def check_context_parallel(cp, dp_world: int, dp_per_node: int, experts: bool = False) -> None:

@@ -130,6 +130,13 @@ def plan_auto(job_config, world: int, ranks_per_node: int, compression=None,
             "planner does not model tensor parallelism; set param_shard, grad_shard and "
             "optim_shard instead"
         )
+    ep = inputs["expert_parallel_degree"]
+    if tp > 1 and ep > 1:
+        raise AmspConfigError(
+            f"amsp.plan='auto' with parallelism.tensor_parallel_degree={tp} and "
+            f"expert_parallel_degree={ep}: the planner has no tensor parallelism beside "
+            "experts; set param_shard, grad_shard and optim_shard (and the expert_* keys) "
+            "instead")
     kwargs = {k: v for k, v in inputs.items() if k in accepted}
     try:
         chosen = planner_plan(**kwargs)

@@ -18,6 +18,7 @@ from amsp_dtensor.plan.compression import CODECS, Compression
 
 from .config import FROM_DP, KNOWN_KEYS, Amsp, AmspConfigError, unknown_amsp_key
 from .planner_bridge import AUTO_EXPERT_PLAN
+from .version import is_titan03
 
 FACTOR_KEYS = ("param_shard", "grad_shard", "optim_shard")
 EXPERT_KEYS = ("expert_param_shard", "expert_grad_shard", "expert_optim_shard")
@@ -458,8 +459,6 @@ def context_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int
     engine's Note on context parallelism): a cp group (consecutive data-parallel ranks,
     as torchtitan places them) fits in a node or spans whole nodes, the sequence splits
     as torchtitan's trainer splits it, dense models only, torchtitan 0.3 only."""
-    from .version import is_titan03
-
     parallelism = job_config.parallelism
     cp = parallelism.context_parallel_degree
     key = f"parallelism.context_parallel_degree={cp!r}"
@@ -500,9 +499,10 @@ def context_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int
 
 def expert_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int) -> int:
     """[parallelism] expert_parallel_degree checked for AMSP on the data-parallel world
-    (``dp_world`` ranks, ``dp_per_node`` per node): an EP group fits in a node or spans
-    whole nodes (engine/mesh.py's Note on expert parallelism), routed experts without
-    tensor parallelism."""
+    (``dp_world`` ranks, ``dp_per_node`` per node) and, beside tensor parallelism, its tp
+    ranks (torchtitan 0.3 only): an EP group fits in a node or spans whole nodes
+    (engine/mesh.py's Note on expert parallelism), routed experts without tensor
+    parallelism of their own."""
     parallelism = job_config.parallelism
     ep = parallelism.expert_parallel_degree
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -512,13 +512,13 @@ def expert_parallel_degree(job_config, dp_world: int, dp_per_node: int, tp: int)
         raise AmspConfigError(
             f"parallelism.expert_tensor_parallel_degree={etp}: AMSP runs the routed experts "
             "without tensor parallelism; set it to 1")
-    if ep > 1 and tp > 1:
+    if ep > 1 and tp > 1 and not is_titan03():
         raise AmspConfigError(
-            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree={tp}: "
-            "expert parallelism beside tensor parallelism is not supported with AMSP yet; "
-            "set one of them to 1")
+            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree={tp}: AMSP "
+            "runs expert parallelism beside tensor parallelism with torchtitan 0.3 (its MoE "
+            "layers split their tokens over the tp ranks); on 0.2.2 set one of them to 1")
     try:
-        expert_parallel_world(dp_world, dp_per_node, ep)
+        expert_parallel_world(dp_world, dp_per_node, ep, tp)
     except ValueError as e:
         raise AmspConfigError(f"parallelism.expert_parallel_degree={ep}: {e}") from None
     return ep
@@ -570,23 +570,26 @@ def resolve_expert_plan(job_config, plan: ResolvedPlan) -> ResolvedPlan | None:
         return auto[1]
     if ep == 1 and not experts_configured(cfg):
         return None
-    world, per_node = expert_parallel_world(plan.world_size, plan.ranks_per_node, ep)
-    where = (f"the expert world: {plan.world_size} data-parallel ranks / "
-             f"expert_parallel_degree {ep} = {world} ranks, {per_node} per node")
+    world, per_node = expert_parallel_world(plan.world_size, plan.ranks_per_node, ep, tp)
+    ranks = f"{plan.world_size} data-parallel ranks" + (f" x tp {tp}" if tp > 1 else "")
+    where = (f"the expert world: {ranks} / expert_parallel_degree {ep} = {world} ranks, "
+             f"{per_node} per node")
     layout = data_parallel_layout(job_config.parallelism, plan.world_size,
                                   plan.ranks_per_node, tp)
     s = {}
     for key in EXPERT_KEYS:
         value = getattr(cfg, key)
         if _is_from_dp(value):
-            if layout.shard % ep:
+            # torchtitan's efsdp: dp_shard x cp (the layout's shard) x tp / ep ranks
+            if layout.shard * tp % ep:
+                shard = f"data_parallel_shard_degree {layout.shard}" + (
+                    f" x tensor_parallel_degree {tp}" if tp > 1 else "")
                 raise AmspConfigError(
                     f"amsp.{key}={value!r}: torchtitan would shard the experts over "
-                    f"data_parallel_shard_degree {layout.shard} / expert_parallel_degree {ep} "
-                    "ranks, which is not whole; set amsp.expert_param_shard, "
-                    "expert_grad_shard and expert_optim_shard (factors of "
-                    f"{where})")
-            s[key] = layout.shard // ep
+                    f"{shard} / expert_parallel_degree {ep} ranks, which is not whole; set "
+                    "amsp.expert_param_shard, expert_grad_shard and expert_optim_shard "
+                    f"(factors of {where})")
+            s[key] = layout.shard * tp // ep
             continue
         try:
             s[key] = _factor_value(key, value, world, per_node, "the expert world size")

@@ -678,9 +678,9 @@ def choose_plan(
     if cp != 1 and (shape.experts is not None or ep != 1 or pipeline is not None):
         raise ValueError(f"cp={cp}: the cost model has no context parallelism beside a "
                          "pipeline or experts yet")
-    if (shape.experts is not None or ep != 1) and (tp == "auto" or pipeline is not None):
+    if (shape.experts is not None or ep != 1) and (tp != 1 or pipeline is not None):
         raise ValueError(f"model {shape.name} with experts (ep={ep}): the cost model has "
-                         "neither tp='auto' nor pipeline parallelism with experts; use tp=1 "
+                         "neither tensor nor pipeline parallelism with experts; use tp=1 "
                          "and no pipeline")
     if pipeline is not None:
         if tp == "auto":
