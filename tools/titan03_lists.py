@@ -88,13 +88,6 @@ def ranks(name: str, config) -> int:
     return max(n, 4) if p.data_parallel_shard_degree == -1 else n
 
 
-def _ranks_or_none(name: str) -> int | None:
-    try:
-        return ranks(name, config_of(name))
-    except Exception:
-        return None
-
-
 def save_of(name: str) -> str | None:
     """The ``*_save`` config whose dump folder a ``*_load*`` config resumes from."""
     head, sep, _ = name.rpartition("_load")
@@ -207,6 +200,7 @@ def run(list_name: str, name: str, work: Path, timeout: int, amsp: bool):
     steps = re.findall(r"step: *(\d+) +loss: *([0-9.]+)",
                        re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr))
     result.loss = max(steps, key=lambda s: int(s[0]))[1] if steps else ""
+    result.ranks = n
     (folder / f"{side}-{name}.log").write_text(
         shlex.join(cmd) + "\n" + proc.stdout + proc.stderr)
     return result
@@ -254,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             titan = None
             if args.reference == "all" or (args.reference == "failing" and amsp.result != "PASS"):
                 titan = run(list_name, name, work, args.timeout, amsp=False)
-        row = {"list": list_name, "config": name, "ranks": _ranks_or_none(name),
+        row = {"list": list_name, "config": name, "ranks": amsp.ranks,
                "amsp": amsp.result, "detail": amsp.detail, "seconds": round(amsp.seconds),
                "loss": amsp.loss, "torchtitan_loss": None if titan is None else titan.loss,
                "torchtitan": None if titan is None else titan.result,

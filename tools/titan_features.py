@@ -89,6 +89,7 @@ class Run:
     detail: str = ""  # the refusal line, the crash's last error line, or the plan applied
     seconds: float = 0.0
     loss: str = ""  # the last step's loss, where the caller reads it
+    ranks: int | None = None  # the ranks it ran on, where the caller says
 
 
 def classify(proc: subprocess.CompletedProcess, amsp: bool) -> Run:

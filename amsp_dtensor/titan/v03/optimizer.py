@@ -9,6 +9,7 @@ kwargs; v03.job.optimizer_of refuses anything else in one line).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -36,6 +37,20 @@ class AmspOptimizersContainer(AmspOptimizers, OptimizersContainer):
 
 def amsp_optimizer_config(config: OptimizersContainer.Config) -> AmspOptimizersContainer.Config:
     """The same settings, built as the AMSP container."""
-    return AmspOptimizersContainer.Config(
-        param_groups=list(config.param_groups), implementation=config.implementation,
-        optimizer_factory_kwargs_by_name=dict(config.optimizer_factory_kwargs_by_name))
+    return _settings_as(config, AmspOptimizersContainer.Config)
+
+
+def titan_optimizer_config(config: AmspOptimizersContainer.Config) -> OptimizersContainer.Config:
+    """The inverse of ``amsp_optimizer_config``: the same settings, built as torchtitan's
+    own container (for a job that builds no AMSP units, such as a seed checkpoint)."""
+    return _settings_as(config, OptimizersContainer.Config)
+
+
+def _settings_as(config, cls):
+    """Every setting of 0.3's OptimizersContainer.Config in ``config``, as ``cls`` (its
+    lists and dicts copied, so neither config changes the other's)."""
+    def copied(value):
+        return type(value)(value) if isinstance(value, (list, dict)) else value
+
+    return cls(**{f.name: copied(getattr(config, f.name))
+                  for f in dataclasses.fields(OptimizersContainer.Config) if f.init})

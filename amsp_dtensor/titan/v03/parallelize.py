@@ -65,7 +65,7 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
             f"{type(model).__name__} has no routed experts in model.layers[*].moe; set it "
             "to 1 and remove them")
     cp = parallel_dims.cp
-    mesh = plan_mesh(amsp, plan, tp, pp, job_ranks_per_node(job), ep, expert_plan, cp)
+    mesh = _job_mesh(amsp, parallel_dims, plan, job, expert_plan)
     full_init = job.amsp.init_full_model
     if cp > 1:
         # before the model's own parallelize, as parallelize_llama: each block's attention
@@ -84,8 +84,6 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
         swaps = {}
         if tp > 1:
             swaps["tp"] = mesh["tp"]
-            if isinstance(parallel_dims, _TpLookup):  # a pipeline stage's part
-                parallel_dims.amsp_tp = mesh["tp"]
         if ep > 1:
             swaps["ep"] = amsp.expert_mesh(mesh)["ep"]
         model.parallelize(_AmspMeshDims(parallel_dims, swaps))
@@ -104,6 +102,13 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
                               experts=expert_plan is not None)
     log_applied(plan, tp, pp, compression, expert_plan, ep, cp)
     return model
+
+
+def _job_mesh(amsp, parallel_dims, plan, job, expert_plan):
+    """The AMSP mesh the job's units are sharded on (one for all of a rank's pipeline
+    parts: ``units.plan_mesh``)."""
+    return plan_mesh(amsp, plan, parallel_dims.tp, parallel_dims.pp, job_ranks_per_node(job),
+                     parallel_dims.ep, expert_plan, parallel_dims.cp)
 
 
 class _AmspMeshDims:
@@ -173,30 +178,37 @@ def _pipelining_on_amsp_tp(base_fn):
     mesh's tp dimension, not on torchtitan's own tp mesh, and the lookup failed in the
     first step ("Mesh lookup failed: callback returned None for mesh_dim_names=('tp',)").
     pipeline_llm builds that callback from the parallel_dims it is given, so it gets one
-    whose "tp" is the AMSP mesh's tp dimension, which parallelize_amsp sets on it when it
-    parallelizes a part (before any step)."""
+    whose "tp" is the tp dimension of the AMSP mesh the parts will be sharded on (the
+    job's, from the plan bound to the parallelize_fn it is handed)."""
     pipelining = amsp_pipelining_fn(base_fn)
     if pipelining is None:
         return None
 
-    def pipeline_amsp(model, *, parallel_dims, **kwargs):
-        # parallelize_amsp sets amsp_tp on every part it parallelizes
-        return pipelining(model, parallel_dims=_TpLookup(parallel_dims), **kwargs)
+    def pipeline_amsp(model, *, parallel_dims, parallelize_fn, **kwargs):
+        bound = getattr(parallelize_fn, "keywords", {})  # bind's plan, job and expert plan
+        if parallel_dims.tp > 1 and bound.get("plan") is not None:
+            import amsp_dtensor as amsp
+
+            mesh = _job_mesh(amsp, parallel_dims, bound["plan"], bound["job"],
+                             bound.get("expert_plan"))
+            parallel_dims = _TpLookup(parallel_dims, mesh["tp"])
+        return pipelining(model, parallel_dims=parallel_dims, parallelize_fn=parallelize_fn,
+                          **kwargs)
 
     pipeline_amsp.__qualname__ = pipelining.__qualname__
     return pipeline_amsp
 
 
 class _TpLookup:
-    """torchtitan's ParallelDims whose ``get_mesh(["tp"])`` is ``amsp_tp`` once set (see
-    [Note: the pipeline's mesh lookup]); everything else is torchtitan's."""
+    """torchtitan's ParallelDims whose ``get_mesh(["tp"])`` is ``amsp_tp`` (see [Note: the
+    pipeline's mesh lookup]); everything else is torchtitan's."""
 
-    def __init__(self, parallel_dims):
-        self._dims, self.amsp_tp = parallel_dims, None
+    def __init__(self, parallel_dims, amsp_tp):
+        self._dims, self._amsp_tp = parallel_dims, amsp_tp
 
     def get_mesh(self, names):
-        if self.amsp_tp is not None and list(names) == ["tp"]:
-            return self.amsp_tp
+        if list(names) == ["tp"]:
+            return self._amsp_tp
         return self._dims.get_mesh(names)
 
     def __getattr__(self, name):

@@ -39,7 +39,7 @@ from ..weights import reinit_like_single_process
 from .dataloader import amsp_dataloader_config
 from .job import job_view
 from .metrics import AmspMetricsProcessor, amsp_metrics_config
-from .optimizer import AmspOptimizersContainer, amsp_optimizer_config
+from .optimizer import AmspOptimizersContainer, amsp_optimizer_config, titan_optimizer_config
 from .parallelize import bind, is_amsp
 
 
@@ -142,11 +142,7 @@ def prepare(config):
         # model saved on one rank): there are no AMSP units to build an AMSP optimizer on
         # ("Llama3Model is not an AMSP root"), so the optimizer is torchtitan's own
         if isinstance(config.optimizer, AmspOptimizersContainer.Config):
-            config.optimizer = OptimizersContainer.Config(
-                param_groups=list(config.optimizer.param_groups),
-                implementation=config.optimizer.implementation,
-                optimizer_factory_kwargs_by_name=dict(
-                    config.optimizer.optimizer_factory_kwargs_by_name))
+            config.optimizer = titan_optimizer_config(config.optimizer)
         return plan
     if type(config.optimizer) is OptimizersContainer.Config:
         config.optimizer = amsp_optimizer_config(config.optimizer)
