@@ -215,6 +215,67 @@ def test_compile_with_the_default_backend_gives_torchtitans_compiled_losses(tmp_
     assert len(got) == steps and not _close(got, want), (got, want)
 
 
+# torchtitan 0.3's llama3_debugmodel_float8_emulate_lora model on the debug recipe (the TOML
+# flags in AMSP_TEST_FLAGS): float8 rowwise linears (emulated, for CPU) and LoRA adapters
+# on frozen weights, trained by AMSP or, under --model.name llama3, by torchtitan's own
+LORA_ENTRIES = """
+import os
+import shlex
+
+from amsp_dtensor.titan.v03 import toml_config  # first: the CPU shims torchtitan imports need
+from amsp_dtensor.titan.v03.parallelize import amsp_model_spec, is_amsp
+from torchtitan.models.llama3.config_registry import llama3_debugmodel_float8_emulate_lora
+
+
+def lora():
+    argv = ["--job.config_file", RECIPE, *shlex.split(os.environ["AMSP_TEST_FLAGS"])]
+    config = toml_config.build(toml_config.read(argv)[0])
+    spec = llama3_debugmodel_float8_emulate_lora().model_spec
+    config.model_spec = amsp_model_spec(spec) if is_amsp(config.model_spec) else spec
+    return config
+"""
+
+
+def test_lora_with_float8_matches_torchtitan_03s_own(tmp_path):
+    """LoRA (rank 8 on the attention output projections, every other weight frozen) over
+    float8 rowwise linears: AMSP p2-g2-os4 against torchtitan 0.3's own FSDP2 from the same
+    weights (a seed checkpoint), 10 steps within 1e-4 relative. The frozen weights are P
+    only: AMSP's optimizer bytes are the adapters' two Adam states over s_os ranks."""
+    from amsp_dtensor.titan.v03 import toml_config  # noqa: F401  (the CPU shims)
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel_float8_emulate_lora
+
+    steps = 10
+    seed = tmp_path / "seed"
+    _entries_torchrun(LORA_ENTRIES, "lora", [
+        "--model.name", "llama3", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+        "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1"], seed,
+        nproc=1, timeout=RUN_S)
+    saved = seed / "checkpoint" / "step-0"
+    logs = {}
+    for name in ("llama3", "llama3_amsp"):
+        proc = _entries_torchrun(LORA_ENTRIES, "lora", [
+            "--model.name", name, "--training.steps", str(steps), *_initial_weights(saved)],
+            tmp_path / name, timeout=RUN_S)
+        logs[name] = proc.stdout + proc.stderr
+        assert "Float8 training active with recipe rowwise" in logs[name], name
+        assert "LoRA training active with rank=8" in logs[name], name
+    assert "Applied AMSP plan p2-g2-os4" in logs["llama3_amsp"]
+    got, want = losses(tmp_path / "llama3_amsp"), losses(tmp_path / "llama3")
+    print("\nLoRA + float8: step, torchtitan 0.3 FSDP2, AMSP, relative difference")
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    assert len(got) == steps and not _close(got, want), (got, want)
+    assert want[-1] < want[0] - 0.03  # the adapters train (8.171 -> 8.105 here)
+    model = llama3_debugmodel_float8_emulate_lora().model_spec.model.build()
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert 0 < adapters < frozen / 50
+    optim = scalars(tmp_path / "llama3_amsp")["memory_by_state/optim(MiB)"][steps] * 2**20
+    print(f"adapters {adapters}, frozen {frozen}; optimizer bytes on rank 0 {optim:.0f}, "
+          f"2 x 4 x adapters / 4 = {2 * 4 * adapters / 4:.0f}")
+    assert optim == 2 * 4 * adapters / 4, (optim, adapters)
+
+
 # torchtitan 0.3's parameter groups (ParamGroupConfig: a regex per group, first match wins,
 # each its own optimizer and kwargs), as qwen3_debugmodel_moe_param_groups mixes them: the
 # embeddings and head (AdamW, no decay), the norms (Adam), the rest (AdamW, decay 0.1)

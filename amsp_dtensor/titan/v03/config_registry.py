@@ -82,6 +82,8 @@ _DEEPSEEK_V3 = "torchtitan.models.deepseek_v3.config_registry"
 llama3_debugmodel_amsp = _entry(_LLAMA3, "llama3_debugmodel")
 llama3_8b_amsp = _entry(_LLAMA3, "llama3_8b")
 llama3_70b_amsp = _entry(_LLAMA3, "llama3_70b")
+# float8 rowwise linears (emulated) with LoRA adapters on frozen weights (P only under AMSP)
+llama3_debugmodel_float8_emulate_lora_amsp = _entry(_LLAMA3, "llama3_debugmodel_float8_emulate_lora")
 qwen3_debugmodel_amsp = _entry(_QWEN3, "qwen3_debugmodel")
 qwen3_0_6b_amsp = _entry(_QWEN3, "qwen3_0_6b")
 qwen3_1_7b_amsp = _entry(_QWEN3, "qwen3_1_7b")
@@ -92,5 +94,6 @@ qwen3_30b_a3b_amsp = _entry(_QWEN3, "qwen3_30b_a3b")
 deepseek_v3_debugmodel_amsp = _entry(_DEEPSEEK_V3, "deepseek_v3_debugmodel")
 
 ENTRIES = ("llama3_debugmodel_amsp", "llama3_8b_amsp", "llama3_70b_amsp",
+           "llama3_debugmodel_float8_emulate_lora_amsp",
            "qwen3_debugmodel_amsp", "qwen3_0_6b_amsp", "qwen3_1_7b_amsp", "qwen3_14b_amsp",
            "qwen3_moe_debug_amsp", "qwen3_30b_a3b_amsp", "deepseek_v3_debugmodel_amsp")
