@@ -23,7 +23,8 @@ RECIPE = REPO / "recipes" / "debug_cpu.toml"
 def torchrun(args: list[str], dump: Path, nproc: int = 4, timeout: int = 280,
              launcher: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun [launcher] -m amsp_dtensor.train`` on the debug recipe, dump folder
-    ``dump``, with ``env`` added to the environment."""
+    ``dump``, with ``env`` added to the environment; faulthandler on, so a rank killed by
+    a signal (a native abort) leaves every thread's Python stack in the failure."""
     cmd = [
         "timeout", str(timeout),
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -31,7 +32,8 @@ def torchrun(args: list[str], dump: Path, nproc: int = 4, timeout: int = 280,
         *launcher, "-m", "amsp_dtensor.train", "--job.config_file", str(RECIPE),
         "--job.dump_folder", str(dump), *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1",
+               **(env or {}))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
