@@ -26,8 +26,9 @@ Results: PASS, REFUSED (exit 2 with one line ``amsp_dtensor.train: error: ...``)
 (with the last error line), as tools/titan_features.py classifies them for 0.2.2, and each
 side's loss at its last step (each trainer from its own initial weights: not a parity
 check; tests/test_titan03.py compares losses from the same weights). Prints a markdown
-table (also OUT/lists.md and OUT/lists.json; a run with ``--only`` replaces those rows of
-an earlier table in OUT, keeping the earlier torchtitan result where it ran none); exit 0
+table with the torch each row ran on (also OUT/lists.md and OUT/lists.json; a run with
+``--only`` replaces those rows of an earlier table in OUT, keeping the earlier torchtitan
+result where it ran none on the same torch); exit 0
 when every config torchtitan's own trainer passes also passes through AMSP.
 ``--spmd-backend spmd_types`` runs torchtitan's side with 0.3's default backend
 (``amsp_config`` gives AMSP's side ``partial_dtensor``).
@@ -220,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="parallelism.spmd_backend of both sides (0.3's default, "
                         "spmd_types, stops on CPU under torch 2.13)")
     args = parser.parse_args(argv)
+    import torch
+
+    torch_version = torch.__version__.split("+")[0]
     sys.path.insert(0, str(Path(__file__).parent))
     from titan_features import _locked, own_result, report
 
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             titan = None
             if args.reference == "all" or (args.reference == "failing" and amsp.result != "PASS"):
                 titan = run(list_name, name, work, args.timeout, amsp=False)
-        row = {"list": list_name, "config": name, "ranks": amsp.ranks,
+        row = {"list": list_name, "config": name, "ranks": amsp.ranks, "torch": torch_version,
                "amsp": amsp.result, "detail": amsp.detail, "seconds": round(amsp.seconds),
                "loss": amsp.loss, "torchtitan_loss": None if titan is None else titan.loss,
                "torchtitan": None if titan is None else titan.result,
@@ -258,19 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     earlier = work / "lists.json"
     if args.only and earlier.is_file():  # a rerun of some configs: the others' rows kept
         by_name = {r["config"]: r for r in json.loads(earlier.read_text())}
-        for r in rows:  # a rerun without the reference keeps the earlier reference's result
-            old = by_name.get(r["config"], {})
-            if r["torchtitan"] is None and old.get("torchtitan") is not None:
+        for r in rows:  # a rerun without the reference keeps the earlier reference's
+            old = by_name.get(r["config"], {})  # result, if it ran on the same torch
+            if (r["torchtitan"] is None and old.get("torchtitan") is not None
+                    and old.get("torch") == r["torch"]):
                 r.update({k: old[k] for k in ("torchtitan", "torchtitan_detail",
                                               "torchtitan_loss")})
             by_name[r["config"]] = r
         order = [n for l in LISTS for n in load_list(l)]
         rows = sorted(by_name.values(), key=lambda r: order.index(r["config"]))
-    columns = ["list", "config", "ranks", "AMSP", "plan / reason", "s", "last loss",
+    columns = ["list", "config", "torch", "ranks", "AMSP", "plan / reason", "s", "last loss",
                "torchtitan's own", "its last loss"]
     return report(rows, "config", columns, lambda r: [
-        r["list"], r["config"], r["ranks"], r["amsp"], r["detail"], r["seconds"], r["loss"],
-        own_result(r), r["torchtitan_loss"] or ""], work / "lists")
+        r["list"], r["config"], r.get("torch", ""), r["ranks"], r["amsp"], r["detail"],
+        r["seconds"], r["loss"], own_result(r), r["torchtitan_loss"] or ""], work / "lists")
 
 
 if __name__ == "__main__":
