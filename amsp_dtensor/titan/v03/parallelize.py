@@ -204,11 +204,11 @@ class _TpLookup:
     pipeline's mesh lookup]); everything else is torchtitan's."""
 
     def __init__(self, parallel_dims, amsp_tp):
-        self._dims, self._amsp_tp = parallel_dims, amsp_tp
+        self._dims, self._tp_mesh = parallel_dims, amsp_tp
 
     def get_mesh(self, names):
         if list(names) == ["tp"]:
-            return self._amsp_tp
+            return self._tp_mesh
         return self._dims.get_mesh(names)
 
     def __getattr__(self, name):
