@@ -145,13 +145,13 @@ def plan_mesh(amsp, plan, tp: int, pp: int, ranks_per_node: int, ep: int = 1,
     if pp == 1:
         return amsp.init_mesh(plan, ranks_per_node=plan.ranks_per_node * tp,
                               device_type=device_type, tp=tp, cp=cp, **experts)
-    key = (plan.s_p, plan.s_g, plan.s_os, ranks_per_node, tp, pp,
+    key = (plan.s_p, plan.s_g, plan.s_os, ranks_per_node, tp, pp, cp,
            id(torch.distributed.group.WORLD),
            None if expert_plan is None else (ep, expert_plan.s_p, expert_plan.s_g,
                                              expert_plan.s_os))
     if key not in _PIPELINE_MESHES:
         _PIPELINE_MESHES[key] = amsp.init_mesh(plan, ranks_per_node=ranks_per_node,
-                                               device_type=device_type, tp=tp, pp=pp,
+                                               device_type=device_type, tp=tp, pp=pp, cp=cp,
                                                **experts)
     return _PIPELINE_MESHES[key]
 
