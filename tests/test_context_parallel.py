@@ -299,3 +299,31 @@ def report_time_model(report):
 
 if __name__ == "__main__":  # the probe: one process, torch's fake process group
     print(json.dumps(_probe()))
+
+
+# One rank of an 8-rank job (torch's fake backend) under pp 2 x tp 2 x cp 2: the AMSP mesh
+# torchtitan's pipeline parts are sharded on (titan/units.plan_mesh, one per job) has the
+# cp ranks torchtitan's (pp, dp_replicate, dp_shard, cp, tp) mesh gives that rank.
+PIPELINE_CP_RANKS = """
+import sys
+
+import torch.distributed as dist
+
+import amsp_dtensor as amsp
+from amsp_dtensor import compat
+from amsp_dtensor.titan.units import plan_mesh
+
+compat.init_fake_process_group(int(sys.argv[1]), 8)
+mesh = plan_mesh(amsp, amsp.ShardingPlan(1, 1, 2).resolve(2, 2), 2, 2, 8, cp=2)
+print(sorted(dist.get_process_group_ranks(amsp.context_parallel_mesh(mesh).get_group())))
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_a_pipeline_stages_mesh_has_its_cp_ranks(rank):
+    proc = subprocess.run([sys.executable, "-c", PIPELINE_CP_RANKS, str(rank)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    titan = torch.arange(8).reshape(2, 1, 1, 2, 2)  # pp, dp_replicate, dp_shard, cp, tp
+    stage, _, _, _, t = (titan == rank).nonzero()[0].tolist()
+    assert proc.stdout.split("\n")[-2] == str(titan[stage, 0, 0, :, t].tolist())
