@@ -297,10 +297,6 @@ def report_time_model(report):
     return _time_model(None, NcclModel(gpus_per_node=report.settings["ranks_per_node"]))[0]
 
 
-if __name__ == "__main__":  # the probe: one process, torch's fake process group
-    print(json.dumps(_probe()))
-
-
 # One rank of an 8-rank job (torch's fake backend) under pp 2 x tp 2 x cp 2: the AMSP mesh
 # torchtitan's pipeline parts are sharded on (titan/units.plan_mesh, one per job) has the
 # cp ranks torchtitan's (pp, dp_replicate, dp_shard, cp, tp) mesh gives that rank.
@@ -327,3 +323,7 @@ def test_a_pipeline_stages_mesh_has_its_cp_ranks(rank):
     titan = torch.arange(8).reshape(2, 1, 1, 2, 2)  # pp, dp_replicate, dp_shard, cp, tp
     stage, _, _, _, t = (titan == rank).nonzero()[0].tolist()
     assert proc.stdout.split("\n")[-2] == str(titan[stage, 0, 0, :, t].tolist())
+
+
+if __name__ == "__main__":  # the probe: one process, torch's fake process group
+    print(json.dumps(_probe()))

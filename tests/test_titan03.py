@@ -64,6 +64,13 @@ def _close(got: list[float], want: list[float], rel: float = REL_TOL) -> list:
     return [(i + 1, g, w) for i, (g, w) in enumerate(zip(got, want)) if abs(g - w) > rel * abs(w)]
 
 
+def _print_steps(title: str, reference: str, got: list[float], want: list[float]) -> None:
+    """Each step's loss, the reference's and AMSP's, and their relative difference."""
+    print(f"\n{title}: step, {reference}, AMSP, relative difference")
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+
+
 def _plan(s_p: int, s_g: int, s_os: int) -> list[str]:
     return ["--amsp.param_shard", str(s_p), "--amsp.grad_shard", str(s_g),
             "--amsp.optim_shard", str(s_os)]
@@ -261,9 +268,7 @@ def test_lora_with_float8_matches_torchtitan_03s_own(tmp_path):
         assert "LoRA training active with rank=8" in logs[name], name
     assert "Applied AMSP plan p2-g2-os4" in logs["llama3_amsp"]
     got, want = losses(tmp_path / "llama3_amsp"), losses(tmp_path / "llama3")
-    print("\nLoRA + float8: step, torchtitan 0.3 FSDP2, AMSP, relative difference")
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    _print_steps("LoRA + float8", "torchtitan 0.3 FSDP2", got, want)
     assert len(got) == steps and not _close(got, want), (got, want)
     assert want[-1] < want[0] - 0.03  # the adapters train (8.171 -> 8.105 here)
     model = llama3_debugmodel_float8_emulate_lora().model_spec.model.build()
@@ -740,17 +745,14 @@ def test_moe_loss_matches_torchtitan_03_fsdp2_ep(model, pair, moe_reference, tmp
                                  *_initial_weights(saved)], tmp_path / "amsp")
     log = proc.stdout + proc.stderr
     got = losses(tmp_path / "amsp")
-    print(f"\n{model} {pair}: step, torchtitan 0.3 FSDP2 + EP 2, AMSP, relative difference")
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    _print_steps(f"{model} {pair}", "torchtitan 0.3 FSDP2 + EP 2", got, want)
     assert "Applied FSDP to the model" in titan_log  # torchtitan 0.3's own apply_fsdp
     assert "Loading the checkpoint from" in log and "Loading the checkpoint from" in titan_log
     assert (f"experts: plan p{expert[0]}-g{expert[1]}-os{expert[2]} on 2 expert-world ranks "
             "x ep 2, 1 per node") in log
     assert len(got) == len(want) == MOE_STEPS
     assert min(want[1:]) < want[0] - 0.05  # it trains (not a comparison of flat lines)
-    far = [(s, a, b) for s, (a, b) in enumerate(zip(got, want), start=1)
-           if abs(a - b) > MOE_REL_TOL * abs(b)]
+    far = _close(got, want, MOE_REL_TOL)
     assert not far, (model, pair, far)
     tb = scalars(tmp_path / "amsp")  # the experts' plan and bytes are reported on their own
     assert tb["amsp/expert_s_os"][1] == expert[2] and tb["amsp/s_os"][1] == dense[2]
@@ -817,17 +819,14 @@ def test_expert_parallelism_beside_tp_matches_torchtitan_03s_own(case, moe_refer
     proc = torchrun(["--model.name", "deepseek_v3_amsp", *flags, *_moe_plan(dense, expert)],
                     tmp_path / "amsp", timeout=MOE_RUN_S)
     got, want = losses(tmp_path / "amsp"), losses(tmp_path / "titan")
-    print(f"\ndeepseek_v3 {case}: step, torchtitan 0.3 FSDP2 + TP + EP, AMSP, relative difference")
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    _print_steps(f"deepseek_v3 {case}", "torchtitan 0.3 FSDP2 + TP + EP", got, want)
     assert "Applied FSDP to the model" in titan.stdout + titan.stderr
     world = 2 * 2 // ep
     assert (f"experts: plan p{expert[0]}-g{expert[1]}-os{expert[2]} on {world} expert-world "
             f"ranks x ep {ep}") in proc.stdout + proc.stderr
     assert len(got) == len(want) == MOE_STEPS
     assert min(want[1:]) < want[0] - 0.05  # it trains
-    far = [(s, a, b) for s, (a, b) in enumerate(zip(got, want), start=1)
-           if abs(a - b) > MOE_REL_TOL * abs(b)]
+    far = _close(got, want, MOE_REL_TOL)
     assert not far, (case, far)
 
 
@@ -848,9 +847,7 @@ def test_qwen3_moe_param_groups_match_torchtitan_03s_own(moe_reference, tmp_path
                       tmp_path / name, entry="moe_param_groups")
         runs[name] = losses(tmp_path / name)
     got, want = runs["amsp"], runs["titan"]
-    print("\nqwen3 param groups: step, torchtitan 0.3, AMSP, relative difference")
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    _print_steps("qwen3 param groups", "torchtitan 0.3", got, want)
     assert len(got) == len(want) == MOE_STEPS
     assert all(abs(a - b) <= REL_TOL * abs(b) for a, b in zip(got, want)), (got, want)
     # the groups move torchtitan's own curve (2.8e-4 at step 9 of 10 here) by more than
@@ -984,9 +981,7 @@ def test_context_parallel_loss_matches_torchtitan_03_fsdp2_cp(case, cp_reference
     proc = torchrun([*flags, *plan, *CP_RUN], tmp_path, nproc=nproc, timeout=CP_RUN_S)
     log = proc.stdout + proc.stderr
     got = losses(tmp_path)
-    print(f"\n{case}: step, torchtitan 0.3 FSDP2 + CP, AMSP, relative difference")
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {abs(a - b) / abs(b):.2e}")
+    _print_steps(f"{case}", "torchtitan 0.3 FSDP2 + CP", got, want)
     sharded = "Applied HSDP to the model" if job.startswith("hsdp") else "Applied FSDP to the model"
     assert sharded in titan_log and CP_APPLIED in titan_log  # torchtitan 0.3's own apply_fsdp
     assert CP_APPLIED in log and f"[amsp] plan {logged} (torchtitan 0.3)" in log, log[-3000:]
