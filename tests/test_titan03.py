@@ -1023,7 +1023,8 @@ def test_context_parallel_refusals_are_one_line_before_start_up(argv, line):
 # ---- pipeline parallelism against torchtitan 0.3's own FSDP2 + PP (torch 2.14+) ---------
 # torchtitan 0.3's pipeline_llm cuts the model on both sides; AMSP's parallelize_fn runs on
 # every stage and the engine schedules each stage's gradient sync once per step. Both sides
-# load one seed checkpoint (model only: torchtitan's init differs per stage), fp32, 4
+# load one seed checkpoint (model only: torchtitan's init differs per stage; the interleaved
+# AMSP run starts from its own init_full_model instead, the same weights), fp32, 4
 # micro-batches of 1 per rank, PP_STEPS (10) steps, every step's loss within 1e-4 relative,
 # on test_titan_pp's configurations: pp 2 x dp 2 with 1F1B and Interleaved1F1B (2 stages
 # per rank), pp 2 x dp 2 x tp 2 on 8 ranks, plan p2-g2-os2. And a checkpoint moving between
@@ -1045,14 +1046,21 @@ def pp_seed(tmp_path_factory):
 
 
 @needs_pp
-@pytest.mark.parametrize("config", ["1F1B", "Interleaved1F1B", "1F1B-tp2"])
-def test_pipeline_matches_torchtitan_03s_own_fsdp2_pp(config, pp_seed, tmp_path):
+@pytest.mark.parametrize("config, amsp_init", [
+    ("1F1B", "seed checkpoint"), ("Interleaved1F1B", "init_full_model"),
+    ("1F1B-tp2", "seed checkpoint")])
+def test_pipeline_matches_torchtitan_03s_own_fsdp2_pp(config, amsp_init, pp_seed, tmp_path):
+    """``amsp_init``: AMSP loads torchtitan's seed checkpoint too, or starts from its own
+    default ``init_full_model``, which gives each of a rank's two interleaved parts the
+    whole model's (the seed checkpoint's) weights."""
     from test_titan_pp import CONFIGS, TIMEOUT, _load
 
     nproc, flags = CONFIGS[config]
     args = [*PP_RUN, *flags, *_load(pp_seed)]
     torchrun(["--model.name", "llama3", *args], tmp_path / "titan", nproc=nproc,
              timeout=TIMEOUT[nproc])
+    if amsp_init == "init_full_model":
+        args = [*PP_RUN, *flags]
     proc = torchrun([*args, *_plan(2, 2, 2)], tmp_path / "amsp", nproc=nproc,
                     timeout=TIMEOUT[nproc])
     log = proc.stdout + proc.stderr

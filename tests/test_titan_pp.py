@@ -3,7 +3,9 @@
 Refusals: one line, exit 2, before any process group (train.main as under torchrun, in
 this process). Equivalence: torchtitan's own FSDP2 + PP (``--model.name llama3``) and
 AMSP + PP (``llama3_amsp``), both loading one seed checkpoint
-(``--checkpoint.initial_load_path``, model only), fp32, 4 micro-batches, STEPS steps: the
+(``--checkpoint.initial_load_path``, model only; the interleaved AMSP run instead starts
+from its own default ``init_full_model``, which must give the seed checkpoint's weights to
+every pipeline part), fp32, 4 micro-batches, STEPS steps: the
 loss of every step within 1e-4 relative, on pp 2 x dp 2 (1F1B under plans p2-g2-os2 and
 p1-g1-os2; Interleaved1F1B, 2 stages per rank, under p2-g2-os2) and on 8 ranks, pp 2 x dp 2
 x tp 2 (1F1B, p2-g2-os2). torchtitan runs each configuration once, for all the plans
@@ -82,6 +84,60 @@ def test_pipeline_refusals_are_one_line_before_start_up(argv, starts_with, monke
                 "stage's data-parallel world: 4 / 2 ranks") in err[0]
 
 
+def test_pipeline_parts_take_the_whole_models_initial_weights():
+    """In process, llama3's debug model cut as pipeline_llm cuts it (a deep copy with the
+    other stage's modules deleted): inside ``whole_model_of_parts`` each part's parameters
+    and buffers equal the unsplit model's ``init_full_model`` tensor for tensor; a part
+    initialised alone (the old behaviour) does not; a part naming a tensor the whole model
+    lacks is one error naming it and the two ways out."""
+    import copy
+    import types
+
+    import torch
+
+    from amsp_dtensor.titan.weights import init_full_model, whole_model_of_parts
+    from torchtitan.models.llama3 import Transformer, llama3_args  # after amsp's CPU shims
+
+    job = types.SimpleNamespace(debug=types.SimpleNamespace(seed=42),
+                                checkpoint=types.SimpleNamespace(create_seed_checkpoint=False),
+                                training=types.SimpleNamespace(enable_cpu_offload=False))
+    with torch.device("meta"):
+        whole = Transformer(llama3_args["debugmodel"])
+    reference = copy.deepcopy(whole)
+    init_full_model(reference, job)
+    want = dict([*reference.named_parameters(), *reference.named_buffers()])
+
+    def part(layers, first, last):
+        m = copy.deepcopy(whole)
+        for key in [k for k in m.layers if k not in layers]:
+            del m.layers[key]
+        if not first:
+            m.tok_embeddings = None
+        if not last:
+            m.norm = m.output = None
+        return m
+
+    parts = [part({"0", "1", "2"}, True, False), part({"3", "4", "5"}, False, True)]
+    with whole_model_of_parts(whole):
+        for p in parts:
+            init_full_model(p, job)
+    for p in parts:
+        got = dict([*p.named_parameters(), *p.named_buffers()])
+        assert got and all(torch.equal(t, want[name]) for name, t in got.items())
+    alone = part({"3", "4", "5"}, False, True)
+    init_full_model(alone, job)
+    assert not torch.equal(alone.layers["3"].attention.wq.weight,
+                           want["layers.3.attention.wq.weight"])
+    odd = part({"0"}, True, False)
+    odd.extra = torch.nn.Linear(2, 2, device="meta")
+    with whole_model_of_parts(whole), pytest.raises(ValueError) as err:
+        init_full_model(odd, job)
+    assert str(err.value) == (
+        "init_full_model: pipeline part Transformer has 'extra.weight', which the whole model "
+        "does not; initialise it with [amsp] init_full_model = false or load a seed "
+        "checkpoint (checkpoint.initial_load_path)")
+
+
 @pytest.fixture(scope="module")
 def seed_checkpoint(tmp_path_factory):
     return save_seed_checkpoint(tmp_path_factory.mktemp("seed"))
@@ -137,15 +193,21 @@ def titan_reference(tmp_path_factory, seed_checkpoint):
     return reference
 
 
-@pytest.mark.parametrize("config, plan", [
-    ("1F1B", (2, 2, 2)), ("1F1B", (1, 1, 2)), ("Interleaved1F1B", (2, 2, 2)),
-    ("1F1B-tp2", (2, 2, 2)),
-], ids=["1F1B-p2-g2-os2", "1F1B-p1-g1-os2", "Interleaved1F1B-p2-g2-os2", "1F1B-tp2-p2-g2-os2"])
-def test_amsp_pipeline_matches_torchtitan_fsdp_pipeline(config, plan, titan_reference,
+@pytest.mark.parametrize("config, plan, init", [
+    ("1F1B", (2, 2, 2), "seed checkpoint"), ("1F1B", (1, 1, 2), "seed checkpoint"),
+    ("Interleaved1F1B", (2, 2, 2), "init_full_model"), ("1F1B-tp2", (2, 2, 2), "seed checkpoint"),
+], ids=["1F1B-p2-g2-os2", "1F1B-p1-g1-os2", "Interleaved1F1B-p2-g2-os2-full-init",
+        "1F1B-tp2-p2-g2-os2"])
+def test_amsp_pipeline_matches_torchtitan_fsdp_pipeline(config, plan, init, titan_reference,
                                                         seed_checkpoint, tmp_path):
+    """``init``: AMSP's weights from the seed checkpoint torchtitan loads, or from AMSP's
+    own ``init_full_model`` (the default): each of a rank's two interleaved parts then
+    takes its weights from one initialisation of the whole model, the seed checkpoint's."""
     nproc, flags = CONFIGS[config]
     s_p, s_g, s_os = plan
-    proc, mine = _run([*PP_ARGS, *flags, *_load(seed_checkpoint), "--amsp.param_shard", str(s_p),
+    load = (_load(seed_checkpoint) if init == "seed checkpoint"
+            else ["--checkpoint.enable", "--checkpoint.interval", "100"])
+    proc, mine = _run([*PP_ARGS, *flags, *load, "--amsp.param_shard", str(s_p),
                        "--amsp.grad_shard", str(s_g), "--amsp.optim_shard", str(s_os)],
                       tmp_path / "amsp", nproc)
     log = proc.stdout + proc.stderr

@@ -26,7 +26,7 @@ from .. import compat
 from ..engine import handle
 from .amsp_optimizers import PIPELINE_STAGE_OF
 from .config import AmspConfigError
-from .weights import keep_weights
+from .weights import keep_weights, whole_model_of_parts
 
 
 def mixed_precision(training) -> MixedPrecisionPolicy | None:
@@ -223,15 +223,19 @@ def log_applied(plan, tp: int, pp: int, compression, expert_plan=None, ep: int =
 def amsp_pipelining_fn(base_fn):
     """``base_fn`` (torchtitan's pipelining_fn, e.g. pipeline_llm, the same function and
     return value in 0.2.2 and 0.3: it cuts the model into stages and calls the
-    parallelize_fn, AMSP's, on each part), then every stage of the schedule handed to the
-    engine; None stays None."""
+    parallelize_fn, AMSP's, on each part, with the model first), then every stage of the
+    schedule handed to the engine; None stays None. While the parts are cut, each takes its
+    weights from one initialisation of the whole model (see [Note: pipeline parts start
+    from the whole model])."""
     if base_fn is None:
         return None
 
     def pipeline_amsp(*args, **kwargs):
         import amsp_dtensor as amsp
 
-        schedule, model_parts, has_first, has_last = base_fn(*args, **kwargs)
+        model = args[0] if args else kwargs["model"]
+        with whole_model_of_parts(model):
+            schedule, model_parts, has_first, has_last = base_fn(*args, **kwargs)
         for stage in compat.pipeline_schedule_stages(schedule):
             amsp.pipeline_stage(stage)
             PIPELINE_STAGE_OF[stage.submod] = stage.stage_index
