@@ -285,3 +285,32 @@ def test_compression_residuals_of_both_groups_resume(world):
     assert len(warned) == 1 and "experts p1-g1-os2 on 2 ranks x ep 2" in warned[0], warned
     assert "experts p2-g2-os2 on 2 ranks x ep 2: they start from zero" in warned[0], warned
     assert all(not got["other_warnings"] for got in out[1:])
+
+
+def test_a_unit_inside_an_activation_checkpointed_block(fake_four_ranks):
+    """The routed experts are a unit of their own inside their block; with activation
+    checkpointing the block is torch's CheckpointWrapper, whose parameters are named
+    without "_checkpoint_wrapped_module." and whose modules with it. Sharding the block
+    after the inner unit takes the block's other parameters only (it raised "tied
+    parameters: 'feed_forward.w1.weight' is the same tensor as a parameter of
+    '_checkpoint_wrapped_module.feed_forward'" before the names were compared without
+    wrappers; torchtitan 0.3's deepseek_v3 and gpt_oss with EP, PP and SAC stopped there)."""
+    import amsp_dtensor as amsp
+    import amsp_dtensor.titan  # noqa: F401  torchtitan's CPU shims
+    from torchtitan.config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+
+    from amsp_dtensor.engine import handle
+    from amsp_dtensor.testing.tiny_llama import TinyLlama
+
+    plan = amsp.ShardingPlan(2, 2, 2)
+    mesh = amsp.init_mesh(plan, ranks_per_node=2, device_type="cpu")
+    model = TinyLlama()
+    apply_ac(model, ActivationCheckpoint(mode="full"))
+    block = model.layers[0]
+    assert type(block).__name__ == "CheckpointWrapper"
+    amsp.fully_shard(block.feed_forward, mesh=mesh, plan=plan)
+    amsp.fully_shard(block, mesh=mesh, plan=plan)
+    inner, outer = handle.unit_of(block.feed_forward), handle.unit_of(block)
+    assert len(inner.params) == 3 and len(outer.params) == 6  # w1-w3; norms and wq-wo
+    assert not {id(p) for p in inner.params} & {id(p) for p in outer.params}

@@ -40,14 +40,16 @@ def _owned_params(module: nn.Module, first_name: dict | None = None) -> list[tup
     a tensor shared by two modules (tied embedding and output head) is caught when the
     two names fall in different units: one unit would update it while the other reads a
     copy. Tied modules may share one unit; they may not be split over two."""
-    unit_at = {name: handle.unit_of(sub) for name, sub in module.named_modules()
+    # names without wrappers on both sides: activation checkpointing's wrapper names its
+    # parameters without "_checkpoint_wrapped_module." but its modules with it
+    unit_at = {clean_fqn(name): handle.unit_of(sub) for name, sub in module.named_modules()
                if sub is not module and handle.unit_of(sub) is not None}
     owner_of = {id(p): unit for unit in unit_at.values() for p in unit.params}
     # shared by the modules of one unit (a list): a weight tied between them is one param
     first_name = {} if first_name is None else first_name
     owned = []
     for name, param in module.named_parameters(remove_duplicate=False):
-        location = _unit_containing(name, unit_at)  # None: this module's own param
+        location = _unit_containing(clean_fqn(name), unit_at)  # None: this module's own
         owner = owner_of.get(id(param)) or handle.param_owner(param)
         if owner is not None and owner is location:
             continue  # a param of a unit below, reached through that unit

@@ -57,9 +57,10 @@ def parallelize_amsp(model: nn.Module, *, parallel_dims, training, parallelism, 
             "entries, or python -m amsp_dtensor.train)")
     blocks = _blocks(model)  # one unit per transformer block, in model.layers
     tp, pp, ep = parallel_dims.tp, parallel_dims.pp, parallel_dims.ep
-    if expert_plan is not None and not any(map(routed_experts, blocks)):
+    if expert_plan is not None and pp == 1 and not any(map(routed_experts, blocks)):
         # check_job refuses this before start-up from the model's config; here in case a
-        # model builds its MoE layers some other way
+        # model builds its MoE layers some other way (a pipeline stage may hold dense
+        # blocks only: deepseek_v3's first layers)
         raise AmspConfigError(
             f"parallelism.expert_parallel_degree={ep} / [amsp] expert_*: "
             f"{type(model).__name__} has no routed experts in model.layers[*].moe; set it "
