@@ -148,6 +148,9 @@ _ALWAYS_PRIVATE: tuple[tuple[str, str], ...] = (
     ("torchtitan.components.optimizer", "OptimizersContainer._post_init"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam"),
     ("torch.distributed.pipelining._backward", "stage_backward"),
+    ("torch.optim._muon", "_zeropower_via_newtonschulz"),
+    ("torch.optim._muon", "_adjust_lr"),
+    ("torch.optim.optimizer", "_to_scalar"),
     ("torch.distributed.pipelining._backward", "stage_backward_input"),
     ("torch.distributed.pipelining._backward", "stage_backward_weight"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase"),
@@ -815,3 +818,29 @@ def titan_sac_save_list(module) -> set | None:
     """The ops a torchtitan model's parallelize module saves under selective activation
     checkpointing (``_op_sac_save_list``, passed to ``apply_ac``); None if it has none."""
     return getattr(module, "_op_sac_save_list", None)
+
+
+def muon_orthogonalize(matrix: torch.Tensor, ns_coefficients, ns_steps: int,
+                       eps: float) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz orthogonalisation of one whole matrix (in
+    bfloat16, as torch returns it), the function its step calls, so an update computed
+    from the same matrix is torch's bit for bit."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(matrix, ns_coefficients, ns_steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
+    """torch.optim.Muon's learning rate for a matrix of ``shape`` ("original" or
+    "match_rms_adamw" scaling), as its step computes it."""
+    from torch.optim._muon import _adjust_lr
+
+    return _adjust_lr(lr, adjust_lr_fn, torch.Size(shape))
+
+
+def optimizer_scalar(value):
+    """A torch optimizer's hyperparameter as its step reads it (a tensor lr as a Python
+    number), as torch.optim's own steps convert it."""
+    from torch.optim.optimizer import _to_scalar
+
+    return _to_scalar(value)

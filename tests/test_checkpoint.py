@@ -4,7 +4,8 @@
   3 plans on 4 ranks (2 per node).
 - Reshard: checkpoints saved under one (world size, plan) load under another with the
   full weights and every optimizer state identical: 4 -> 4, 4 -> 8, 8 -> 2 and 4 -> 2 ranks,
-  each with a plan change.
+  each with a plan change; Adafactor's factored moments and Muon's momentum (beside its
+  AdamW group's moments) 4 -> 8.
 - Faults (torchrun, 2 ranks, ``amsp_dtensor.testing.checkpoint_job``): SIGKILL of one rank
   at three points of a save and in the middle of a step; torchrun restarts the job, which
   resumes from the newest complete checkpoint and ends with the uninterrupted run's losses
@@ -140,6 +141,41 @@ def _save_adafactor(rank, world, tmp):
                    os.path.join(tmp, _name(*ADAFACTOR_SOURCE) + "-adafactor.state.pt"))
 
 
+MUON_SOURCE, MUON_TARGET = (4, (2, 2, 4)), (8, (4, 4, 8))
+
+
+def _muon(world, plan):
+    """Muon on the blocks' matrices, AdamW on the rest (scenarios' "muon" groups)."""
+    import amsp_dtensor as amsp
+    from amsp_dtensor.testing.scenarios import OPTIMIZERS, param_groups
+
+    model, _ = _build(world, plan, optimizer=None)
+    cls, kwargs = OPTIMIZERS["muon"]
+    groups = param_groups(list(model.named_parameters()), "muon")
+    return model, amsp.AMSPOptimizer(model, cls, param_groups=groups, **kwargs)
+
+
+def _save_muon(rank, world, tmp):
+    """Muon + AdamW saved at step 3, its full state beside it."""
+    from amsp_dtensor import checkpoint
+
+    model, optim = _muon(world, MUON_SOURCE[1])
+    _train(model, optim, rank, world, range(1, 4))
+    checkpoint.save(_saved_at(tmp, *MUON_SOURCE) + "-muon", 3, model, optim)
+    state = _full_state(model, optim)
+    if rank == 0:
+        torch.save(state, os.path.join(tmp, _name(*MUON_SOURCE) + "-muon.state.pt"))
+
+
+def _load_muon(rank, world, tmp):
+    from amsp_dtensor import checkpoint
+
+    model, optim = _muon(world, MUON_TARGET[1])
+    checkpoint.load(checkpoint.step_path(_saved_at(tmp, *MUON_SOURCE) + "-muon", 3), model, optim)
+    state = _full_state(model, optim)
+    return state if rank == 0 else None
+
+
 def _load_reshard(rank, world, tmp, source, target):
     """Load the RESHARDS source checkpoint under this world's plan: (step, full state, the
     loss of one more step) on rank 0; re-saved under this plan for the next world."""
@@ -174,12 +210,13 @@ def _world4_cases():
     cases = {("resume", plan, variant): partial(_resume, plan=plan, variant=variant)
              for plan, variant in RESUME_CASES}
     cases["adafactor save"] = _save_adafactor
+    cases["muon save"] = _save_muon
     cases.update(_reshard_cases(4))
     return cases
 
 
 def _world8_cases():
-    return {**_reshard_cases(8), "adafactor load": _load_adafactor}
+    return {**_reshard_cases(8), "adafactor load": _load_adafactor, "muon load": _load_muon}
 
 
 # ---- mismatches (2 ranks) ---------------------------------------------------------------
@@ -305,6 +342,20 @@ def test_adafactor_factored_states_reshard_exactly(results):
     loaded = results[8].get("adafactor load")[0]
     assert any(k.endswith("row_var") for k in saved["optim"])
     assert any(k.endswith("col_var") for k in saved["optim"])
+    for kind in ("weights", "optim"):
+        assert saved[kind].keys() == loaded[kind].keys()
+        for key in saved[kind]:
+            assert torch.equal(saved[kind][key], loaded[kind][key]), (kind, key)
+
+
+def test_muon_momentum_reshards_exactly(results):
+    """Muon's momentum buffers (and the AdamW group's moments, the masters) saved on 4
+    ranks under p2-g2-os4 load on 8 ranks under p4-g4-os8, tensor for tensor."""
+    results[4].get("muon save")
+    saved = torch.load(os.path.join(results["tmp"], _name(*MUON_SOURCE) + "-muon.state.pt"))
+    loaded = results[8].get("muon load")[0]
+    assert any(k.endswith("momentum_buffer") for k in saved["optim"])
+    assert any(k.endswith("exp_avg") for k in saved["optim"])
     for kind in ("weights", "optim"):
         assert saved[kind].keys() == loaded[kind].keys()
         for key in saved[kind]:

@@ -104,11 +104,21 @@ def test_parameter_made_a_dtensor_after_fully_shard_is_refused_at_the_next_forwa
     assert "apply tensor parallelism (parallelize_module) before amsp.fully_shard" in message
 
 
-def test_adafactor_with_tp(fake_four_ranks):
+@pytest.mark.parametrize("optimizer,why", [
+    (torch.optim.Adafactor, "its factored moments would also need sums over the "
+                            "tensor-parallel ranks"),
+    (torch.optim.Muon, "its Newton-Schulz update needs each matrix whole, which tensor "
+                       "parallelism splits over the tp ranks"),
+], ids=["Adafactor", "Muon"])
+def test_whole_tensor_optimizers_with_tp(fake_four_ranks, optimizer, why):
     plan = amsp.ShardingPlan(2, 2, 2)
     mesh = amsp.init_mesh(plan, ranks_per_node=4, device_type="cpu", tp=2)
     model = tensor_parallelize(TinyLlama(), mesh["tp"])
     shard_model(model, mesh, plan)
     with pytest.raises(ValueError) as e:
-        amsp.AMSPOptimizer(model, torch.optim.Adafactor)
-    assert "Adafactor with tensor parallelism is not supported" in _one_line(e)
+        amsp.AMSPOptimizer(model, optimizer)
+    message = _one_line(e)
+    assert message.startswith(f"{optimizer.__name__} with tensor parallelism is not "
+                              f"supported: {why}")
+    assert message.endswith("use one of SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, NAdam, "
+                            "RAdam, RMSprop, Rprop")

@@ -189,10 +189,15 @@ class Collectives:
         return self._start("reduce_scatter", output, input, dim, phase, _nbytes(input))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, dim: str, phase: str,
-                   codec: str | None = None) -> PendingComm:
+                   codec: str | None = None,
+                   splits: tuple[list[int], list[int]] | None = None) -> PendingComm:
         """Row i of ``input`` (k rows) to rank i of the group; row j of ``output`` from
-        rank j (compression.py's reduce-scatter)."""
-        return self._start("all_to_all", output, input, dim, phase, _nbytes(input), codec)
+        rank j (compression.py's reduce-scatter). With ``splits`` = (output sizes, input
+        sizes), pieces of those sizes along dim 0 instead (Muon's owners)."""
+        kwargs = {} if splits is None else {"output_split_sizes": splits[0],
+                                            "input_split_sizes": splits[1]}
+        return self._start("all_to_all", output, input, dim, phase, _nbytes(input), codec,
+                           **kwargs)
 
     def all_reduce(self, tensor: torch.Tensor, dim: str, phase: str,
                    op=dist.ReduceOp.SUM) -> PendingComm:
@@ -210,8 +215,9 @@ LAUNCH = {
         out, inp, group=group, async_op=True),
     "reduce_scatter": lambda out, inp, group: compat.reduce_scatter_single(
         out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True),
-    "all_to_all": lambda out, inp, group: dist.all_to_all_single(
-        out, inp, group=group, async_op=True),
+    "all_to_all": lambda out, inp, group, output_split_sizes=None, input_split_sizes=None:
+        dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group,
+                               async_op=True),
     "all_reduce": lambda out, inp, group, reduce_op=dist.ReduceOp.SUM: dist.all_reduce(
         inp, op=reduce_op, group=group, async_op=True),
 }

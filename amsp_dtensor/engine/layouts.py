@@ -38,6 +38,7 @@ __all__ = [
     "G_PLACEMENTS",
     "OS_PLACEMENTS",
     "chunk_rows",
+    "os_member_rows",
     "ParamRows",
     "FlatLayout",
 ]
@@ -47,6 +48,13 @@ def chunk_rows(n_rows: int, k: int) -> list[tuple[int, int]]:
     """(start, length) of each of k chunks of n rows, torch.chunk / DTensor style."""
     size = math.ceil(n_rows / k) if n_rows else 0
     return [(min(i * size, n_rows), max(0, min(size, n_rows - i * size))) for i in range(k)]
+
+
+def os_member_rows(n_rows: int, s_p: int, k: int, members: list[tuple[int, int]]) -> list[int]:
+    """Rows of a tensor of ``n_rows`` rows held by each of ``members`` ((p, i): P shard p,
+    OS chunk i of it, as MeshInfo.shard_members gives them): P shard p is split into k
+    OS chunks, and (p, i) holds chunk i, so the members sorted by (p, i) tile the rows."""
+    return [chunk_rows(chunk_rows(n_rows, s_p)[p][1], k)[i][1] for p, i in members]
 
 
 @dataclass(frozen=True)

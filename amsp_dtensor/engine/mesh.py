@@ -204,6 +204,20 @@ class MeshInfo:
         dim = self.os_subgroup_dim
         return (1, 0) if dim is None else (self.size(dim), self.coordinate[dim])
 
+    @functools.cached_property
+    def shard_members(self) -> list[tuple[int, int]]:
+        """(p, i) of each member of this rank's "shard" group, in group-rank order: its
+        P shard and its OS chunk of it (os_split's i). The group orders its ranks by
+        global rank, which need not be the order of their rows (p-major), so a gather
+        of rows over the group must place them by these coordinates."""
+        names = self.mesh.mesh_dim_names
+        dim = self.os_subgroup_dim
+        members = []
+        for rank in dist.get_process_group_ranks(self.group("shard")):
+            where = dict(zip(names, (self.mesh.mesh == rank).nonzero()[0].tolist()))
+            members.append((where["p"], 0 if dim is None else where[dim]))
+        return members
+
     @property
     def os_subgroup_dim(self) -> str | None:
         """The dim that splits one P shard into OS shards (s_os/s_p ranks), if any.

@@ -57,9 +57,10 @@ from . import param_update
 from . import grad as grad_path
 from .fqn import clean_fqn
 from .handle import root_state
-from .layouts import OS_PLACEMENTS, chunk_rows, gather_full
+from .layouts import OS_PLACEMENTS, chunk_rows, gather_full, os_member_rows
 from .lifecycle import StepState
-from .sharded_adafactor import ShardedAdafactor, shard_group_all_reduce
+from .sharded_adafactor import ShardedAdafactor
+from .sharded_muon import GROUP_OPTIMIZER_KEY, OSShards, ShardedMuon
 from .root import RootState
 from .unit import AMSPUnit
 
@@ -83,8 +84,19 @@ ELEMENTWISE_OPTIMIZERS = (
 
 
 # Optimizers whose update reads whole tensors, run by a sharding-aware implementation
-# that sums the partial reductions over the shard group (exact, see sharded_adafactor.py).
-SHARDED_OPTIMIZERS = {torch.optim.Adafactor: ShardedAdafactor}
+# over the shard group, exact: Adafactor sums its partial reductions
+# (sharded_adafactor.py), Muon orthogonalizes each matrix on one owner (sharded_muon.py).
+SHARDED_OPTIMIZERS = {torch.optim.Adafactor: ShardedAdafactor, torch.optim.Muon: ShardedMuon}
+# what each of them would also need under tensor parallelism or on an expert mesh
+_SHARDED_NEEDS = {
+    torch.optim.Adafactor: "its factored moments would also need sums over the "
+                           "tensor-parallel ranks or the expert mesh's groups",
+    torch.optim.Muon: "its Newton-Schulz update needs each matrix whole, which tensor "
+                      "parallelism splits over the tp ranks and the expert mesh holds as "
+                      "3-D grouped experts",
+}
+# the sharded optimizers whose param groups may name their own elementwise optimizer
+_GROUP_OPTIMIZERS = (torch.optim.Muon,)
 
 # what a refused optimizer's update reads beyond the element it updates
 _NEEDS = {
@@ -170,14 +182,15 @@ def _resolve_groups(model: nn.Module, fqns: list[str], param_groups, optimizer_c
                         "(the model's parameters or their FQNs) and the group's options")
     index_of = {fqn: i for i, fqn in enumerate(fqns)}
     names = {id(p): clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False)}
-    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
     owner: dict[int, int] = {}
     groups = []
     for g, group in enumerate(param_groups):
-        unknown = sorted(set(group) - accepted - {"params"})
+        group_class = _group_optimizer(g, group, optimizer_class)
+        accepted = set(inspect.signature(group_class.__init__).parameters) - {"self", "params"}
+        unknown = sorted(set(group) - accepted - {"params", GROUP_OPTIMIZER_KEY})
         if unknown:
             raise ValueError(f"param_groups[{g}] has {', '.join(map(repr, unknown))}, which "
-                             f"{optimizer_class.__name__} does not take: use "
+                             f"{group_class.__name__} does not take: use "
                              f"{', '.join(sorted(accepted))}")
         params = group["params"]
         params = [params] if isinstance(params, (str, torch.Tensor)) else list(params)
@@ -200,13 +213,35 @@ def _resolve_groups(model: nn.Module, fqns: list[str], param_groups, optimizer_c
             indices.append(i)
         if not indices:
             raise ValueError(f"param_groups[{g}] holds no parameters: drop it")
-        groups.append((indices, {k: v for k, v in group.items() if k != "params"}))
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if GROUP_OPTIMIZER_KEY in hyper:  # by name: checkpoints hold strings, not classes
+            hyper[GROUP_OPTIMIZER_KEY] = group_class.__name__
+        groups.append((indices, hyper))
     missing = [f for i, f in enumerate(fqns) if i not in owner]
     if missing:
         raise ValueError(f"{len(missing)} trainable parameters are in no group "
                          f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
                          "add them to a group (a group of only 'params' takes the defaults)")
     return groups
+
+
+def _group_optimizer(g: int, group: dict, optimizer_class: type) -> type:
+    """The optimizer class stepping ``param_groups[g]``: its own ``"optimizer"`` (an
+    elementwise class, beside a whole-matrix optimizer only), else ``optimizer_class``."""
+    if GROUP_OPTIMIZER_KEY not in group:
+        return optimizer_class
+    cls = group[GROUP_OPTIMIZER_KEY]
+    if optimizer_class not in _GROUP_OPTIMIZERS:
+        raise ValueError(
+            f"param_groups[{g}] names its own optimizer, which only "
+            f"{', '.join(c.__name__ for c in _GROUP_OPTIMIZERS)} groups take (for the "
+            f"parameters it does not step); with {optimizer_class.__name__}, drop "
+            f"{GROUP_OPTIMIZER_KEY!r} and set the group's options")
+    if cls not in ELEMENTWISE_OPTIMIZERS:
+        raise ValueError(
+            f"param_groups[{g}]: {GROUP_OPTIMIZER_KEY!r} must be an elementwise optimizer "
+            f"class ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}), got {cls!r}")
+    return cls
 
 
 class InnerState(enum.Enum):
@@ -254,9 +289,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         if optimizer_class in SHARDED_OPTIMIZERS and (info.tp > 1 or info.expert):
             what = "tensor parallelism" if info.tp > 1 else "an expert mesh"
             raise ValueError(
-                f"{optimizer_class.__name__} with {what} is not supported: its factored "
-                "moments would also need sums over the tensor-parallel ranks or the expert "
-                f"mesh's groups; use one of {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
+                f"{optimizer_class.__name__} with {what} is not supported: "
+                f"{_SHARDED_NEEDS[optimizer_class]}; use one of "
+                f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}"
             )
         if not isinstance(overlap_param_update, bool):
             raise TypeError(f"overlap_param_update must be a bool, got {overlap_param_update!r}")
@@ -270,6 +305,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # the groups as indices into self._fqns (the masters' order), checked before
         # anything is built or registered
         groups = _resolve_groups(model, self._fqns, param_groups, optimizer_class)
+        shapes = [s for unit in self._root.units for s in unit.global_shapes]
+        if hasattr(SHARDED_OPTIMIZERS.get(optimizer_class), "check_params"):
+            SHARDED_OPTIMIZERS[optimizer_class].check_params(self._fqns, shapes, groups)
         for unit in self._root.units:
             if unit.refresh_params():
                 grad_path.register_param_hooks(unit)
@@ -312,11 +350,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
         inner_groups = [{"params": [self._opt_params[j] for j in indices], **hyper}
                         for indices, hyper in groups]
         if optimizer_class in SHARDED_OPTIMIZERS:
+            if optimizer_class in _GROUP_OPTIMIZERS:
+                optimizer_kwargs["group_classes"] = {c.__name__: c for c in ELEMENTWISE_OPTIMIZERS}
             self.inner = SHARDED_OPTIMIZERS[optimizer_class](
-                inner_groups, global_shapes=[self._masters[j].shape for j in self._order],
-                all_reduce=shard_group_all_reduce(self._root.collectives),
-                **optimizer_kwargs,
-            )
+                inner_groups, shards=self._os_shards(), **optimizer_kwargs)
         else:
             self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
         super().__init__(self._opt_params, self.inner.defaults)
@@ -387,6 +424,20 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # when s_os = s_p (step() has checked the views still alias the P storage)
         self._masters_are_p[id(unit)] = len(views) == len(masters)
         return masters
+
+    def _os_shards(self) -> OSShards:
+        """The OS layout as a sharding-aware optimizer sees it, in the wrapped optimizer's
+        parameter order."""
+        info = self._root.info
+        (k, _), members = info.os_split, info.shard_members
+        shapes = [self._masters[j].shape for j in self._order]
+        return OSShards(
+            global_shapes=shapes,
+            member_rows=[os_member_rows(s[0] if len(s) else 1, info.plan.s_p, k, members)
+                         for s in shapes],
+            member=dist.get_rank(info.group("shard")) if info.plan.s_os > 1 else 0,
+            row_order=sorted(range(len(members)), key=members.__getitem__),
+            collectives=self._root.collectives)
 
     # ---- gradients ----------------------------------------------------------------
     def _prepare_master_grads(self) -> None:

@@ -30,14 +30,15 @@ import torch.distributed as dist
 
 class ShardedAdafactor(torch.optim.Adafactor):
     """``torch.optim.Adafactor(params, ...)`` where each param is this rank's row block of a
-    tensor of ``global_shapes[i]``; ``all_reduce(tensor)`` sums a tensor over the shard
-    group in place (the engine passes a recorded collective)."""
+    tensor of ``shards.global_shapes[i]`` (sharded_muon.OSShards); its sums run over the
+    shard group in place, through the engine's recorded collectives."""
 
-    def __init__(self, params, *, global_shapes, all_reduce, **kwargs):
+    def __init__(self, params, *, shards, **kwargs):
         kwargs.pop("foreach", None)  # one loop with batched all-reduces, foreach or not
         super().__init__(params, foreach=False, **kwargs)
-        self._global_shapes = {id(p): torch.Size(s) for p, s in zip(self._all_params(), global_shapes)}
-        self._all_reduce = all_reduce
+        self._global_shapes = {id(p): torch.Size(s)
+                               for p, s in zip(self._all_params(), shards.global_shapes)}
+        self._all_reduce = shard_group_all_reduce(shards.collectives)
 
     def _all_params(self):
         return [p for group in self.param_groups for p in group["params"]]

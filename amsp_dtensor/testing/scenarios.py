@@ -22,6 +22,10 @@ OPTIMIZERS = {
     "adamw_groups": (torch.optim.AdamW, {"lr": LR, "weight_decay": 0.1}),
     "adafactor_groups": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.1}),
     "adamw_norms": (torch.optim.AdamW, {"lr": LR, "weight_decay": 0.1}),
+    # Muon on the blocks' matrices; AdamW (its own group) on embeddings, head and norms
+    "muon": (torch.optim.Muon, {"lr": 2e-2, "weight_decay": 0.1, "momentum": 0.95}),
+    "muon_rms": (torch.optim.Muon, {"lr": 1e-2, "weight_decay": 0.05,
+                                    "adjust_lr_fn": "match_rms_adamw", "nesterov": False}),
 }
 # optimizer name -> its param groups: [(regex searched in the parameter's FQN, the group's
 # options)], first match wins (torchtitan's ParamGroupConfig rule). The embeddings and
@@ -34,6 +38,13 @@ PARAM_GROUPS = {
     "adafactor_groups": [(r"norm\.", {"lr": 3e-2, "weight_decay": 0.0}),
                          (r"", {})],
     "adamw_norms": [(r"norm\.", {"lr": 5e-4}), (r"", {})],
+    "muon": [(r"^(tok_embeddings|output)\.|norm\.",
+              {"optimizer": torch.optim.AdamW, "lr": 3e-3, "weight_decay": 0.1}),
+             (r"", {})],
+    "muon_rms": [(r"norm\.", {"optimizer": torch.optim.AdamW, "lr": 3e-3}),
+                 (r"^(tok_embeddings|output)\.", {"optimizer": torch.optim.SGD, "lr": 0.1,
+                                                    "momentum": 0.9}),
+                 (r"", {})],
 }
 
 
@@ -120,6 +131,37 @@ def full_state(model, optim) -> dict:
     return {"weights": full_weights(model), "optim": states}
 
 
+class _Optimizers:
+    """Several torch optimizers stepped as one (the reference of groups with their own)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def step(self):
+        for optim in self.optimizers:
+            optim.step()
+
+    def zero_grad(self):
+        for optim in self.optimizers:
+            optim.zero_grad()
+
+
+def reference_optimizer(cls, groups: list[dict], kwargs: dict):
+    """torch's own optimizers for ``groups``, as a user writes them without AMSP: ``cls``
+    (with ``kwargs``) for the groups that name no ``"optimizer"``, and each named class,
+    with its own defaults and the group's options only, for those that do (Muon's
+    matrices and AdamW's rest, as torch.optim.Muon's documentation pairs them)."""
+    own = [g for g in groups if "optimizer" not in g]
+    named: dict[type, list[dict]] = {}
+    for g in groups:
+        if "optimizer" in g:
+            named.setdefault(g["optimizer"], []).append(
+                {k: v for k, v in g.items() if k != "optimizer"})
+    optimizers = [cls(own, **kwargs)] if own else []
+    optimizers += [named_cls(named_groups) for named_cls, named_groups in named.items()]
+    return optimizers[0] if len(optimizers) == 1 else _Optimizers(optimizers)
+
+
 def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, variant="",
                        optimizer="adamw"):
     """One process, whole global batch, fp32 master weights + AdamW, same clipping; the
@@ -130,7 +172,7 @@ def reference_training(world_size, micro_batches, steps, dtype, read_steps=0, va
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     cls, kwargs = OPTIMIZERS[optimizer]
     groups = param_groups([(n, m) for (n, _), m in zip(named, masters)], optimizer)
-    optim = cls(groups or masters, **kwargs)
+    optim = reference_optimizer(cls, groups or [{"params": masters}], kwargs)
     losses, norms, step_weights = [], [], []
     for step in range(steps):
         batch = global_batches(step, world_size, micro_batches, model.cfg)
