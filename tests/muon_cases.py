@@ -78,7 +78,7 @@ def exact_step_case(rank, world, plan, optimizer="muon"):
             optim.inner.step()
         for param in params:
             param.grad = None
-    events = [(e.op, e.dim, e.group_size, e.nbytes, e.phase) for e in recorder.events]
+    events = [e.key() for e in recorder.events]  # (op, dim, size, bytes, inter, phase)
     state = full_state(optim)  # collective: every rank
     return {"state": state if rank == 0 else None, "events": events}
 
@@ -116,18 +116,35 @@ def compare_exact(got: dict, want: dict) -> list[str]:
     return bad
 
 
-def check_exchange(ranks: list[dict], s_os: int, muon_elements: int) -> None:
+def check_exchange(ranks: list[dict], plan, world: int, per_node: int, shapes) -> None:
     """Two all-to-alls over the shard group per step (none at s_os = 1): the first sends
-    each rank's rows of every Muon matrix (1/s_os of them here), the second the owners'
-    whole results, which add up to every matrix once per shard group; 2 bytes (bfloat16)
-    an element."""
+    each rank's rows of every Muon matrix, the second the owners' whole results, which
+    add up to every matrix once per shard group; 2 bytes (bfloat16) an element. Rank 0's
+    are the cost model's (plan/cost/muon.py), key for key."""
+    from amsp_dtensor.plan import ShardingPlan
+    from amsp_dtensor.plan.cost.comm import event_counter
+    from amsp_dtensor.plan.cost.muon import predicted_muon_events
+
+    from collections import Counter
+
+    s_os = plan[2]
+    predicted = predicted_muon_events(ShardingPlan(*plan), shapes, world_size=world,
+                                      ranks_per_node=per_node)
+    assert Counter(ranks[0]["events"]) == event_counter(predicted)
     if s_os == 1:
         assert all(rank["events"] == [] for rank in ranks)
         return
+    elements = sum(r * c for r, c in shapes)
     for rank in ranks:
-        (op1, dim1, n1, sent, phase1), (op2, dim2, n2, _, phase2) = rank["events"]
+        (op1, dim1, n1, sent, _, phase1), (op2, dim2, n2, _, _, phase2) = rank["events"]
         assert (op1, dim1, n1, phase1) == (op2, dim2, n2, phase2) == (
             "all_to_all", "shard", s_os, "step")
-        assert sent == 2 * muon_elements // s_os
-    returned = sum(rank["events"][1][3] for rank in ranks)
-    assert returned == len(ranks) // s_os * 2 * muon_elements
+        assert sent == 2 * elements // s_os  # every rank holds 1/s_os of each matrix here
+    assert sum(rank["events"][1][3] for rank in ranks) == len(ranks) // s_os * 2 * elements
+
+
+def muon_matrix_shapes() -> list[tuple[int, int]]:
+    """The tiny model's Muon matrices (the blocks' 2-D weights), in the optimizer's order."""
+    model = make_model(torch.float32)
+    return [tuple(p.shape) for n, p in model.named_parameters()
+            if p.dim() == 2 and n.startswith("layers.")]

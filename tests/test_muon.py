@@ -40,15 +40,13 @@ from amsp_dtensor.testing.scenarios import (
     make_model,
     reference_training,
 )
-from muon_cases import (check_exchange, compare_exact, exact_step_case, reference_steps,
-                        shard)
+from muon_cases import (check_exchange, compare_exact, exact_step_case, muon_matrix_shapes,
+                        reference_steps, shard)
 
 WORLD, PER_NODE, STEPS, MICRO_BATCHES = 4, 2, 3, 2
 PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
 STEP_OPTIMIZERS = ("muon", "muon_rms")
 TOL = 1e-5
-# bytes of the Muon matrices of the tiny model (2 blocks: 4 of 32 x 32, 3 of 64 x 32)
-MUON_ELEMENTS = 2 * (4 * 32 * 32 + 3 * 64 * 32)
 
 
 def _plan_id(plan) -> str:
@@ -120,7 +118,7 @@ def test_muon_step_is_torchs_bit_for_bit(results, step_references, optimizer, pl
     got = ranks[0]["state"]
     assert {k for entry in want.values() for k in entry} >= {"momentum_buffer", "exp_avg"}
     assert compare_exact(got, want) == []
-    check_exchange(ranks, plan[2], MUON_ELEMENTS)
+    check_exchange(ranks, plan, WORLD, PER_NODE, muon_matrix_shapes())
 
 
 def test_the_step_reference_moves_and_differs_from_adamw(step_references):
@@ -200,3 +198,33 @@ def test_bad_muon_input_is_one_line_naming_the_fix(results):
     assert errors["Muon key in an AdamW group"].startswith(
         "param_groups[1] has 'ns_steps', which AdamW does not take: use ")
     assert all("\n" not in e for e in errors.values())
+
+
+def test_newton_schulz_flops_are_torchs_own_count():
+    """The cost model's Newton-Schulz FLOPs equal torch's FlopCounterMode count of torch's
+    own Newton-Schulz (wide, tall and square matrices)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from amsp_dtensor import compat
+    from amsp_dtensor.plan.cost.muon import newton_schulz_flops
+
+    for shape in ((64, 32), (32, 96), (48, 48)):
+        with FlopCounterMode(display=False) as counter:
+            compat.muon_orthogonalize(torch.randn(shape), (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert counter.get_total_flops() == newton_schulz_flops(shape, 5), shape
+
+
+def test_owners_balance_newton_schulz_at_8b_dims_on_64_ranks():
+    """llama3 8B's 224 block matrices over a shard group of 64: every member's
+    Newton-Schulz FLOPs within 10% of the mean (the engine's assignment)."""
+    from amsp_dtensor.plan.cost.models import MODELS
+    from amsp_dtensor.plan.cost.muon import owner_flops
+
+    shapes = [s for unit in MODELS["llama3_8b"].unit_param_shapes()[:-1] for s in unit if len(s) == 2]
+    assert len(shapes) == 32 * 7
+    load = owner_flops(shapes, 64)
+    mean = sum(load) / len(load)
+    print(f"8B, 64 OS ranks: Newton-Schulz TFLOPs per rank per step max {max(load) / 1e12:.2f}, "
+          f"mean {mean / 1e12:.2f}, min {min(load) / 1e12:.2f} "
+          f"({max(load) / mean - 1:+.1%} / {min(load) / mean - 1:+.1%})")
+    assert max(load) <= 1.10 * mean and min(load) >= 0.90 * mean

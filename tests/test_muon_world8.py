@@ -15,12 +15,11 @@ import pytest
 
 from amsp_dtensor.plan import enumerate_plans
 from amsp_dtensor.testing.multiproc import run_cases
-from muon_cases import (check_exchange, compare_exact, exact_step_case,
+from muon_cases import (check_exchange, compare_exact, exact_step_case, muon_matrix_shapes,
                         reference_steps)
 
 WORLD, PER_NODE = 8, 2
 PLANS = [(p.s_p, p.s_g, p.s_os) for p in enumerate_plans(WORLD, PER_NODE)]
-MUON_ELEMENTS = 2 * (4 * 32 * 32 + 3 * 64 * 32)
 
 
 @pytest.fixture(scope="module")
@@ -40,4 +39,4 @@ def reference():
 def test_muon_step_is_torchs_bit_for_bit_on_8_ranks(results, reference, plan):
     ranks = results.get(plan)
     assert compare_exact(ranks[0]["state"], reference) == []
-    check_exchange(ranks, plan[2], MUON_ELEMENTS)
+    check_exchange(ranks, plan, WORLD, PER_NODE, muon_matrix_shapes())

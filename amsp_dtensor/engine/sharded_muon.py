@@ -11,7 +11,7 @@ in between reads the whole matrix.
 [Note: one owner per matrix] Each matrix has one owner among the s_os ranks of the shard
 group (the ranks that together hold one copy of the optimizer state), chosen once when the
 optimizer is built: largest Newton-Schulz cost first, each to the least loaded member
-(``assign_owners``). A step sends every rank's rows of each matrix to its owner in one
+(plan/cost/muon.py's ``assign_owners``). A step sends every rank's rows of each matrix to its owner in one
 all-to-all over the shard group, the owners orthogonalise their matrices, and a second
 all-to-all sends each rank its rows of the results. Both carry bfloat16: torch's
 Newton-Schulz casts its input to bfloat16 first and returns bfloat16, so casting before
@@ -36,6 +36,7 @@ import dataclasses
 import torch
 
 from .. import compat
+from ..plan.cost.muon import assign_owners, newton_schulz_flops
 
 GROUP_OPTIMIZER_KEY = "optimizer"
 
@@ -54,26 +55,6 @@ class OSShards:
     member: int
     row_order: list[int]
     collectives: object
-
-
-def newton_schulz_flops(shape, ns_steps: int) -> int:
-    """Multiply-add FLOPs of torch's Newton-Schulz on a matrix of ``shape`` (m <= n after
-    its transpose): per step X @ X.T (2 m^2 n), the Gram polynomial (2 m^3) and its
-    product with X (2 m^2 n)."""
-    m, n = sorted(shape[:2])
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def assign_owners(costs: list[int], members: int) -> list[int]:
-    """The owner of each matrix: largest cost first, each to the least loaded member
-    (the lowest index on a tie); deterministic, so every member computes the same."""
-    load = [0] * members
-    owners = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        owner = min(range(members), key=lambda m: (load[m], m))
-        owners[j] = owner
-        load[owner] += costs[j]
-    return owners
 
 
 class ShardedMuon(torch.optim.Muon):
@@ -231,5 +212,4 @@ class ShardedMuon(torch.optim.Muon):
                                                                  sizes)]
 
 
-__all__ = ["GROUP_OPTIMIZER_KEY", "OSShards", "ShardedMuon", "assign_owners",
-           "newton_schulz_flops"]
+__all__ = ["GROUP_OPTIMIZER_KEY", "OSShards", "ShardedMuon"]

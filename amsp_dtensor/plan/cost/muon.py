@@ -1,0 +1,81 @@
+"""What Muon adds to a step under AMSP: each matrix orthogonalized by one owner of the
+shard group (engine/sharded_muon.py, [Note: one owner per matrix]).
+
+- ``newton_schulz_flops``: torch's Newton-Schulz on one matrix;
+- ``assign_owners``: the owner of each matrix (largest first, to the least loaded member),
+  the engine's assignment, so ``owner_flops`` is each member's Newton-Schulz work;
+- ``predicted_muon_events``: the two all-to-alls of one step on rank 0, in bfloat16, as
+  the recorder sees them (rank 0 is member (p 0, OS chunk 0) of its shard group and the
+  first in its rank order).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+from ..sharding_plan import ResolvedPlan, ShardingPlan
+from .comm import PlannedComm, _as_resolved, dim_group
+
+__all__ = ["assign_owners", "newton_schulz_flops", "owner_flops", "predicted_muon_events"]
+
+MUON_EXCHANGE_BYTES = 2  # bfloat16: what torch's Newton-Schulz reads and returns
+
+
+def newton_schulz_flops(shape, ns_steps: int = 5) -> int:
+    """Multiply-add FLOPs of torch's Newton-Schulz on a matrix of ``shape`` (m <= n after
+    its transpose): per step X @ X.T (2 m^2 n), the Gram polynomial (2 m^3) and its
+    product with X (2 m^2 n)."""
+    m, n = sorted(int(d) for d in shape[:2])
+    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def assign_owners(costs: Sequence[int], members: int) -> list[int]:
+    """The owner of each matrix: largest cost first, each to the least loaded member
+    (the lowest index on a tie); deterministic, so every member computes the same."""
+    load = [0] * members
+    owners = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        owner = min(range(members), key=lambda m: (load[m], m))
+        owners[j] = owner
+        load[owner] += costs[j]
+    return owners
+
+
+def owner_flops(shapes: Sequence[Sequence[int]], members: int, ns_steps: int = 5) -> list[int]:
+    """Newton-Schulz FLOPs of each member of a shard group of ``members`` for one step
+    over matrices of ``shapes`` (in the optimizer's order)."""
+    costs = [newton_schulz_flops(s, ns_steps) for s in shapes]
+    load = [0] * members
+    for cost, owner in zip(costs, assign_owners(costs, members)):
+        load[owner] += cost
+    return load
+
+
+def _rows_of_rank0(rows: int, s_p: int, k: int) -> int:
+    """Rows of a tensor that rank 0 holds in the OS layout: chunk 0 of P shard 0."""
+    p_rows = min(-(-rows // s_p), rows)
+    return min(-(-p_rows // k), p_rows) if p_rows else 0
+
+
+def predicted_muon_events(
+    plan: Union[ResolvedPlan, ShardingPlan],
+    matrix_shapes: Sequence[Sequence[int]],
+    ns_steps: int = 5,
+    *,
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+) -> list[PlannedComm]:
+    """Rank 0's Muon collectives of one step: an all-to-all over the shard group sending
+    its rows of every matrix to their owners, and one sending back the whole results of
+    the matrices it owns (member 0's), 2 bytes an element; none when s_os = 1."""
+    p = _as_resolved(plan, world_size, ranks_per_node)
+    if p.s_os == 1 or not matrix_shapes:
+        return []
+    k = p.s_os // p.s_p
+    sent = sum(_rows_of_rank0(int(s[0]), p.s_p, k) * int(s[1]) for s in matrix_shapes)
+    owners = assign_owners([newton_schulz_flops(s, ns_steps) for s in matrix_shapes], p.s_os)
+    returned = sum(int(s[0]) * int(s[1]) for s, o in zip(matrix_shapes, owners) if o == 0)
+    g = dim_group(p, "shard")
+    return [PlannedComm("all_to_all", "shard", g.size, MUON_EXCHANGE_BYTES * n, g.inter_node,
+                        "step", 1, -1, g.stride, g.nodes)
+            for n in (sent, returned)]
