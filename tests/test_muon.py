@@ -206,7 +206,7 @@ def test_newton_schulz_flops_are_torchs_own_count():
     from torch.utils.flop_counter import FlopCounterMode
 
     from amsp_dtensor import compat
-    from amsp_dtensor.plan.cost.muon import newton_schulz_flops
+    from amsp_dtensor.plan.muon_owners import newton_schulz_flops
 
     for shape in ((64, 32), (32, 96), (48, 48)):
         with FlopCounterMode(display=False) as counter:

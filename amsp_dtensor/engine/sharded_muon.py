@@ -11,7 +11,7 @@ in between reads the whole matrix.
 [Note: one owner per matrix] Each matrix has one owner among the s_os ranks of the shard
 group (the ranks that together hold one copy of the optimizer state), chosen once when the
 optimizer is built: largest Newton-Schulz cost first, each to the least loaded member
-(plan/cost/muon.py's ``assign_owners``). A step sends every rank's rows of each matrix to its owner in one
+(plan/muon_owners.py's ``assign_owners``). A step sends every rank's rows of each matrix to its owner in one
 all-to-all over the shard group, the owners orthogonalise their matrices, and a second
 all-to-all sends each rank its rows of the results. Both carry bfloat16: torch's
 Newton-Schulz casts its input to bfloat16 first and returns bfloat16, so casting before
@@ -36,7 +36,7 @@ import dataclasses
 import torch
 
 from .. import compat
-from ..plan.cost.muon import assign_owners, newton_schulz_flops
+from ..plan.muon_owners import assign_owners, newton_schulz_flops
 
 GROUP_OPTIMIZER_KEY = "optimizer"
 

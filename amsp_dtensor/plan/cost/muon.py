@@ -1,9 +1,8 @@
 """What Muon adds to a step under AMSP: each matrix orthogonalized by one owner of the
-shard group (engine/sharded_muon.py, [Note: one owner per matrix]).
+shard group (engine/sharded_muon.py, [Note: one owner per matrix]; the owners are
+plan/muon_owners.py's, the engine's own assignment).
 
-- ``newton_schulz_flops``: torch's Newton-Schulz on one matrix;
-- ``assign_owners``: the owner of each matrix (largest first, to the least loaded member),
-  the engine's assignment, so ``owner_flops`` is each member's Newton-Schulz work;
+- ``owner_flops``: each member's Newton-Schulz work in a step;
 - ``predicted_muon_events``: the two all-to-alls of one step on rank 0, in bfloat16, as
   the recorder sees them (rank 0 is member (p 0, OS chunk 0) of its shard group and the
   first in its rank order).
@@ -13,32 +12,13 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
+from ..muon_owners import assign_owners, newton_schulz_flops
 from ..sharding_plan import ResolvedPlan, ShardingPlan
 from .comm import PlannedComm, _as_resolved, dim_group
 
-__all__ = ["assign_owners", "newton_schulz_flops", "owner_flops", "predicted_muon_events"]
+__all__ = ["owner_flops", "predicted_muon_events"]
 
 MUON_EXCHANGE_BYTES = 2  # bfloat16: what torch's Newton-Schulz reads and returns
-
-
-def newton_schulz_flops(shape, ns_steps: int = 5) -> int:
-    """Multiply-add FLOPs of torch's Newton-Schulz on a matrix of ``shape`` (m <= n after
-    its transpose): per step X @ X.T (2 m^2 n), the Gram polynomial (2 m^3) and its
-    product with X (2 m^2 n)."""
-    m, n = sorted(int(d) for d in shape[:2])
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def assign_owners(costs: Sequence[int], members: int) -> list[int]:
-    """The owner of each matrix: largest cost first, each to the least loaded member
-    (the lowest index on a tie); deterministic, so every member computes the same."""
-    load = [0] * members
-    owners = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        owner = min(range(members), key=lambda m: (load[m], m))
-        owners[j] = owner
-        load[owner] += costs[j]
-    return owners
 
 
 def owner_flops(shapes: Sequence[Sequence[int]], members: int, ns_steps: int = 5) -> list[int]:
