@@ -17,7 +17,10 @@ Configurations (``--configs``, comma separated; W = world, S = ranks per node):
 ``amsp:<plan>[+int8][+opu]``: AMSP at a plan name (``pW-gW-osW`` is FSDP2's schedule,
 ``pS-gS-osS`` HSDP's), ``+int8`` int8 gradients and bf16 weights across nodes
 (``amsp.set_compression``), ``+opu`` ``overlap_param_update=True``, ``+nostep`` ``amsp.set_overlap(step=False)`` (one
-optimizer step once every gradient has landed, instead of in batches as they land). Every system gets the
+optimizer step once every gradient has landed, instead of in batches as they land), ``+muon``
+torch.optim.Muon on the blocks' matrices with an AdamW group for the rest (the fake process
+group's all-to-alls move nothing, so this is Muon's host cost and Newton-Schulz compute at
+these dims, against the same plan's AdamW). Every system gets the
 same explicit prefetch (the next unit in forward, the previous in backward) and torch
 AdamW (foreach); AMSP's masters are views of the fp32 params. ``--modes eager,compiled``:
 compiled is per-block ``torch.compile`` (before sharding, as torchtitan does).
@@ -141,8 +144,19 @@ class Bench:
                 amsp.set_compression(model, grads="int8", weights="bf16")
             if "nostep" in extra:  # one optimizer step after every gradient has landed
                 amsp.set_overlap(model, step=False)
-            optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
-                                       foreach=True, overlap_param_update="opu" in extra)
+            if "muon" in extra:  # Muon on the blocks' matrices, AdamW (a group) on the rest
+                matrices = [p for n, p in model.named_parameters()
+                            if p.dim() == 2 and n.startswith("layers.")]
+                rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
+                optim = amsp.AMSPOptimizer(
+                    model, torch.optim.Muon, lr=2e-2, weight_decay=0.1,
+                    overlap_param_update="opu" in extra, param_groups=[
+                        {"params": matrices},
+                        {"params": rest, "optimizer": torch.optim.AdamW, "lr": 1e-3,
+                         "weight_decay": 0.1, "foreach": True}])
+            else:
+                optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1,
+                                           foreach=True, overlap_param_update="opu" in extra)
             self.finish = optim.wait_param_update
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.vocab_size, (getattr(args, "batch", 1), args.seq + 1),
