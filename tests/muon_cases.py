@@ -5,6 +5,7 @@ gradients as single-process torch.optim.Muon + AdamW, bit for bit."""
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import torch
 
@@ -29,10 +30,10 @@ def shard(plan, ranks_per_node: int = 2):
     return model
 
 
-def build(plan, optimizer: str = "muon", **overrides):
+def build(plan, optimizer: str = "muon", ranks_per_node: int = 2, **overrides):
     import amsp_dtensor as amsp
 
-    model = shard(plan)
+    model = shard(plan, ranks_per_node)
     cls, kwargs = OPTIMIZERS[optimizer]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return model, amsp.AMSPOptimizer(model, cls, param_groups=param_groups(named, optimizer),
@@ -124,8 +125,6 @@ def check_exchange(ranks: list[dict], plan, world: int, per_node: int, shapes) -
     from amsp_dtensor.plan import ShardingPlan
     from amsp_dtensor.plan.cost.comm import event_counter
     from amsp_dtensor.plan.cost.muon import predicted_muon_events
-
-    from collections import Counter
 
     s_os = plan[2]
     predicted = predicted_muon_events(ShardingPlan(*plan), shapes, world_size=world,

@@ -146,13 +146,9 @@ MUON_SOURCE, MUON_TARGET = (4, (2, 2, 4)), (8, (4, 4, 8))
 
 def _muon(world, plan):
     """Muon on the blocks' matrices, AdamW on the rest (scenarios' "muon" groups)."""
-    import amsp_dtensor as amsp
-    from amsp_dtensor.testing.scenarios import OPTIMIZERS, param_groups
+    from muon_cases import build
 
-    model, _ = _build(world, plan, optimizer=None)
-    cls, kwargs = OPTIMIZERS["muon"]
-    groups = param_groups(list(model.named_parameters()), "muon")
-    return model, amsp.AMSPOptimizer(model, cls, param_groups=groups, **kwargs)
+    return build(plan, ranks_per_node=RANKS_PER_NODE[world])
 
 
 def _save_muon(rank, world, tmp):

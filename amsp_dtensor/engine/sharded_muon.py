@@ -97,7 +97,7 @@ class ShardedMuon(torch.optim.Muon):
         self._rows = {id(p): rows for p, rows in zip(flat, shards.member_rows)}
         self._member, self._collectives = shards.member, shards.collectives
         self._row_order = shards.row_order
-        self._members = len(shards.member_rows[0]) if shards.member_rows else 1
+        self._members = len(shards.row_order)
         matrices = [p for g in own for p in g["params"]]
         for p in matrices:
             if self._rows[id(p)][self._member] != p.shape[0]:

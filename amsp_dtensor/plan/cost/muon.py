@@ -15,6 +15,7 @@ from typing import Sequence, Union
 from ..muon_owners import assign_owners, newton_schulz_flops
 from ..sharding_plan import ResolvedPlan, ShardingPlan
 from .comm import PlannedComm, _as_resolved, dim_group
+from .memory import _chunk_len
 
 __all__ = ["owner_flops", "predicted_muon_events"]
 
@@ -29,12 +30,6 @@ def owner_flops(shapes: Sequence[Sequence[int]], members: int, ns_steps: int = 5
     for cost, owner in zip(costs, assign_owners(costs, members)):
         load[owner] += cost
     return load
-
-
-def _rows_of_rank0(rows: int, s_p: int, k: int) -> int:
-    """Rows of a tensor that rank 0 holds in the OS layout: chunk 0 of P shard 0."""
-    p_rows = min(-(-rows // s_p), rows)
-    return min(-(-p_rows // k), p_rows) if p_rows else 0
 
 
 def predicted_muon_events(
@@ -52,7 +47,9 @@ def predicted_muon_events(
     if p.s_os == 1 or not matrix_shapes:
         return []
     k = p.s_os // p.s_p
-    sent = sum(_rows_of_rank0(int(s[0]), p.s_p, k) * int(s[1]) for s in matrix_shapes)
+    # rank 0 holds OS chunk 0 of P shard 0 of every matrix
+    sent = sum(_chunk_len(_chunk_len(int(s[0]), p.s_p, 0), k, 0) * int(s[1])
+               for s in matrix_shapes)
     owners = assign_owners([newton_schulz_flops(s, ns_steps) for s in matrix_shapes], p.s_os)
     returned = sum(int(s[0]) * int(s[1]) for s, o in zip(matrix_shapes, owners) if o == 0)
     g = dim_group(p, "shard")
