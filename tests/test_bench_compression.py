@@ -9,13 +9,20 @@ from tools.bench_systems import amsp_key, label
 
 
 def test_amsp_key_carries_the_compression_setting():
-    assert amsp_key("p2-g2-os4") == ("p2-g2-os4", "", {})
+    assert amsp_key("p2-g2-os4") == ("p2-g2-os4", "", {}, None)
     assert amsp_key("p2-g2-os4/step_off+g-int8+w-bf16") == (
-        "p2-g2-os4", "step_off", {"grads": "int8", "weights": "bf16"})
+        "p2-g2-os4", "step_off", {"grads": "int8", "weights": "bf16"}, None)
     assert amsp_key("p1-g1-os2+g-int8+noef")[2] == {"grads": "int8", "error_feedback": False}
     assert label("amsp:p2-g2-os4+g-bf16", 2) == "AMSP p2-g2-os4 +g-bf16"
-    with pytest.raises(ValueError, match="unknown compression"):
+    # the MoE flavour's plan pair: the expert plan is not a compression setting
+    assert amsp_key("p2-g2-os4+e-p1-g1-os2+g-int8") == (
+        "p2-g2-os4", "", {"grads": "int8"}, "p1-g1-os2")
+    assert label("amsp:p2-g2-os4+e-p1-g1-os2+g-int8", 2) == \
+        "AMSP p2-g2-os4 / experts p1-g1-os2 +g-int8"
+    with pytest.raises(ValueError, match="unknown setting"):
         amsp_key("p2-g2-os4+fp8")
+    with pytest.raises(ValueError, match="unknown setting"):
+        amsp_key("p2-g2-os4+e-p1-g1-os1+e-p1-g1-os2")
 
 
 def _res(config, rep, t, inter, loss):

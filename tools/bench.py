@@ -24,10 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from amsp_dtensor.plan import enumerate_plans, expert_parallel_world
 from amsp_dtensor.plan.cost import AlphaBeta, choose_plan
 from amsp_dtensor.plan.cost.bandwidth import parse_table
 from amsp_dtensor.plan.cost.models import from_torchtitan_args
-from amsp_dtensor.plan.cost.planner import NoPlanFits
+from amsp_dtensor.plan.cost.planner import NoPlanFits, estimate_plan
 from tools import bench_peers
 from tools import bench_report as R
 from tools import bench_worker as W
@@ -39,18 +40,52 @@ PROFILE_ARGS = ("--dtype float32 --ops all_gather,reduce_scatter,all_reduce --ro
                 "--max-bytes 4M --repeats 3 --target-ms 30")
 
 
+def _shape(args):
+    return dataclasses.replace(from_torchtitan_args(args.flavor, model_args(args.flavor, args.seq)),
+                               layout="titan")
+
+
+def _costing(args) -> dict:
+    """choose_plan's / estimate_plan's settings for this workload: fp32, gloo, the post-step
+    all-gather overlapping the next forward, torchtitan's units (as the workers run AMSP)."""
+    return dict(seq_len=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches,
+                mixed_precision="fp32", attention="flash", clip=False, reserve_bytes=0,
+                backend="gloo", overlap_param_update=True)
+
+
+def pair_name(estimate) -> str:
+    """A plan estimate as the key suffix its configuration runs under: the plan, and with
+    experts "+e-" and the expert plan."""
+    e = estimate.expert_plan
+    return estimate.plan.name + (f"+e-{e.name}" if e is not None else "")
+
+
 def planner_choice(args, world: int, rpn: int, budget: float, bandwidth):
-    """(plan name, choose_plan's report) for this workload: fp32, gloo, the post-step
-    all-gather overlapping the next forward, torchtitan's units (as the workers run AMSP).
-    Raises NoPlanFits when nothing fits the budget."""
-    shape = dataclasses.replace(from_torchtitan_args(args.flavor, model_args(args.flavor, args.seq)),
-                                layout="titan")
-    report = choose_plan(shape, memory_budget_bytes=budget, seq_len=args.seq,
-                         micro_batch=args.micro_batch, micro_batches=args.micro_batches,
-                         world_size=world, ranks_per_node=rpn, bandwidth=bandwidth,
-                         mixed_precision="fp32", attention="flash", clip=False,
-                         reserve_bytes=0, backend="gloo", overlap_param_update=True)
-    return report.best.plan.name, report
+    """(plan name, choose_plan's report) for this workload (_costing; with the moe flavour
+    the plan pair, as pair_name). Raises NoPlanFits when nothing fits the budget."""
+    report = choose_plan(_shape(args), memory_budget_bytes=budget, world_size=world,
+                         ranks_per_node=rpn, bandwidth=bandwidth,
+                         ep=W.expert_parallel(args) or 1, **_costing(args))
+    return pair_name(report.best), report
+
+
+def estimates_of(args, world: int, rpn: int, report) -> dict[str, float]:
+    """The planner's memory estimate of every AMSP plan (with the moe flavour every plan
+    pair, each costed by estimate_plan as choose_plan costs the pairs it visits), by
+    pair_name."""
+    ep = W.expert_parallel(args)
+    if not ep:
+        return {c.plan.name: c.memory.total for c in report.candidates}
+    shape, kw = _shape(args), _costing(args)
+    link = AlphaBeta(intra_bw=1e9, inter_bw=1e8)  # memory does not depend on the time model
+    e_world = expert_parallel_world(world, rpn, ep)
+    out = {}
+    for p in enumerate_plans(world, rpn):
+        for q in enumerate_plans(*e_world):
+            est = estimate_plan(shape, p, expert_plan=q, ep=ep, memory_budget_bytes=2.0 ** 60,
+                                time_model=link, **kw)
+            out[pair_name(est)] = est.memory.total
+    return out
 
 
 def _pick(args, world: int, rpn: int, budget: float, bandwidth) -> str | None:
@@ -85,7 +120,8 @@ def possible_picks(args, world: int, rpn: int, models: list) -> set[str]:
     picks = set()
     for _, _, model in models:
         _, report = planner_choice(args, world, rpn, 2.0 ** 60, model)
-        for budget in sorted({c.memory.total for c in report.candidates}):
+        # with experts: the pairs' estimates (a pair fits where both of its plans do)
+        for budget in sorted({*estimates_of(args, world, rpn, report).values()}):
             plan = _pick(args, world, rpn, budget, model)  # None: rounding at the boundary
             if plan:
                 picks.add("amsp:" + plan)
@@ -104,7 +140,7 @@ def planner_data(data: dict) -> dict:
     if not models:
         return {}
     _, report = planner_choice(args, world, rpn, 2.0 ** 60, models[0][2])
-    estimates = {c.plan.name: c.memory.total for c in report.candidates}
+    estimates = estimates_of(args, world, rpn, report)
     rows = R.summarize(data)
     gaps = [r["peak"] - estimates[r["key"][5:]] for r in rows
             if r["family"] == "amsp" and r["key"][5:] in estimates]
@@ -153,14 +189,21 @@ def run_sets(args, runs: list[str], out_dir: Path, link) -> dict:
 
 def frontier(args, argv: list[str]) -> int:
     world, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
-    every = sweep(world, rpn)
+    ep = W.expert_parallel(args)
+    every = sweep(world, rpn, ep)
     keys = [k for item in W.comma_list(args.configs) for k in (every if item == "all" else [item])]
     # an AMSP plan of the sweep may also run with compressed cross-node stages (+g-/+w-)
-    unknown = [k for k in keys if k not in every and k.split("+")[0] not in every]
+    def exact(k: str) -> str:  # the key without its compression settings
+        return "+".join(x for i, x in enumerate(k.split("+")) if i == 0 or x.startswith("e-"))
+
+    unknown = [k for k in keys if exact(k) not in every]
     if unknown:
         raise SystemExit(f"--configs: {unknown} not in the sweep of {world} ranks, {rpn} per "
                          f"node; its keys: {','.join(every)}")
     skipped = [m for m in map(bench_peers.missing, keys) if m]
+    if ep:  # the moe flavour's sweep holds no peer: say why, one line each
+        skipped += [f"{name}: {bench_peers.moe_refusal(k)}" for name, k in
+                    (("DeepSpeed MoE", "ds_"), ("Megatron-FSDP", "mfsdp"))]
     for line in skipped:
         print("skipped:", line, flush=True)
     keys = [k for k in keys if not bench_peers.missing(k)]

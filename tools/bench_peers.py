@@ -64,6 +64,19 @@ def missing(key: str) -> str | None:
     return None
 
 
+def moe_refusal(key: str) -> str:
+    """Why peer configuration `key` does not run the MoE flavour (one line)."""
+    if key.startswith("ds_"):
+        return ("DeepSpeed's expert parallelism runs only its own MoE layer "
+                "(deepspeed.moe.layer.MoE: a gate with a capacity factor that drops tokens past "
+                "capacity and renormalises the top-k weights, one module per expert), not "
+                "torchtitan's MoE block, so it would train another model; its ZeRO stages "
+                "without that layer have no EP")
+    return ("this harness drives Megatron-FSDP through its standalone fully_shard over one "
+            "data-parallel mesh; its expert-data-parallel layout is set up by Megatron-Core's "
+            "model adapter for Megatron-Core's own MoE layer (not tried here)")
+
+
 def activate(env: str) -> None:
     """Put this process set's peers on sys.path (before anything imports them)."""
     for folder in reversed(ENVS[env]):

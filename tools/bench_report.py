@@ -14,7 +14,7 @@ import math
 import re
 import statistics
 
-from tools.bench_systems import FAMILIES, family, label
+from tools.bench_systems import FAMILIES, amsp_key, family, label
 
 MB = 1e6
 OTHERS = tuple(f for f in FAMILIES if f != "amsp")
@@ -24,12 +24,16 @@ COLORS = {"ddp": "tab:brown", "fsdp2": "tab:blue", "ds_z1": "tab:olive", "ds_z2"
           "mfsdp": "tab:orange", "amsp": "tab:red", "amsp_c": "tab:red"}
 COMPRESSED_LABEL = "AMSP compressed"  # amsp:<plan>+g-<codec>/+w-<codec> rows
 TARGET_FLOOR, TARGET_WIN, PLANNER_TOL, PLANNER_SHARE = 0.95, 1.5, 0.10, 0.8
+# the MoE flavour's targets: AMSP >= 1.3x the best baseline at most caps, never behind (a
+# tie: within the run-to-run tenth, LOAD_NOTE) where its plan space holds the baseline's
+# schedule, and the planner within PLANNER_TOL at 90% of the caps
+MOE_WIN, MOE_TIE, MOE_PLANNER_SHARE = 1.3, 0.9, 0.9
 LOSS_TOL = 1e-5
 OVERLAP = ("<!-- overlap:begin -->", "<!-- overlap:end -->")
 COMPRESSION = ("<!-- compression:begin -->", "<!-- compression:end -->")
 # a generated section: one per scale and link rate ("frontier-2x2" at 1gbit or unshaped,
 # "frontier-2x2-200mbit"), the overlap ablation and the compression runs
-_SECTION = re.compile(r"<!-- (frontier-(\d+)x(\d+)(-\w+|)|overlap|compression):begin -->.*?"
+_SECTION = re.compile(r"<!-- (frontier-(\d+)x(\d+)((?:-\w+)*)|overlap|compression):begin -->.*?"
                       r"<!-- \1:end -->", re.S)
 DEFAULT_HEADER = "# Benchmarks"  # a new document's; an existing one keeps its own
 
@@ -42,10 +46,34 @@ LOAD_NOTE = (" At such loads a cap's ratio (AMSP's best over the best other syst
 
 
 def scale_tag(meta: dict) -> str:
-    """"2x2" for 2 nodes x 2 ranks at 1gbit (or unshaped), "2x2-200mbit" at another rate."""
+    """"2x2" for 2 nodes x 2 ranks at 1gbit (or unshaped), "2x2-200mbit" at another rate;
+    "-moe" after either for the MoE flavour."""
     tag, bw = f"{meta['nodes']}x{meta['ranks_per_node']}", meta.get("bw", "")
     rate = bw.split(" ")[0] if bw.endswith(" between nodes") else "1gbit"
-    return tag if rate == "1gbit" else f"{tag}-{rate}"
+    tag = tag if rate == "1gbit" else f"{tag}-{rate}"
+    return tag + ("-moe" if is_moe(meta) else "")
+
+
+def is_moe(meta: dict) -> bool:
+    return bool(meta.get("model", {}).get("ep"))
+
+
+def same_schedule(key: str, meta: dict) -> str | None:
+    """The AMSP configuration that runs baseline `key`'s schedule (the MoE flavour): FSDP2
+    + EP with dense shard groups of s and expert ones of se is the plan pair ps-gs-oss /
+    pse-gse-ose; None where AMSP's plan space lacks it (DDP without EP, FSDP2 keeping the
+    parameters after forward)."""
+    from tools.bench_systems import hsdp_sizes
+
+    world, ep = meta["world"], meta["model"]["ep"]
+    head, _, arg = key.partition(":")
+    if head == "zero3":
+        s, se = world, world // ep
+    elif head == "hsdp":
+        s, se = hsdp_sizes(arg, world, ep)
+    else:
+        return None
+    return f"amsp:p{s}-g{s}-os{s}+e-p{se}-g{se}-os{se}"
 
 
 def _mb(x) -> str:
@@ -81,7 +109,7 @@ def summarize(data: dict) -> list[dict]:
         states = [s for s in first.get("state_bytes_per_rank") or [] if s]
         rows.append({
             "key": key, "family": family(key), "label": label(key, rpn),
-            "compressed": amsp and "+" in key,
+            "compressed": amsp and bool(amsp_key(key.split(":", 1)[1])[2]),
             "tps": statistics.median(tps), "tps_min": min(tps), "tps_max": max(tps),
             "reps": len(tps), "steps": len(first["step_times"]),
             "step_s": tokens / statistics.median(tps),
@@ -269,16 +297,19 @@ def compressed_table(fr: list[dict], compressed: list[dict], loss: dict) -> str:
         f"steps: {gaps}.")
 
 
-def family_table(fr: list[dict]) -> str:
+def family_table(fr: list[dict], only_ran: bool = False) -> str:
+    """Each system's best per cap; with ``only_ran`` the columns of the systems the sweep
+    ran, else of every system."""
     lines = []
+    ran = [fam for fam in FAMILIES if not only_ran or any(f["per_family"][fam] for f in fr)]
     for f in fr:
         cells = []
-        for fam in FAMILIES:
+        for fam in ran:
             r = f["per_family"][fam]
             cells.append("-" if r is None else f"{r['tps']:.0f} ({r['label']})".replace(
                 "AMSP ", "").replace("FSDP2 ", "").replace("MFSDP ", "").replace("DS ", ""))
         lines.append(f"| {f['cap'] / MB:.1f} | " + " | ".join(cells) + " |")
-    return _table("| cap MB/rank | " + " | ".join(FAMILIES.values()) + " |", lines)
+    return _table("| cap MB/rank | " + " | ".join(FAMILIES[f] for f in ran) + " |", lines)
 
 
 def config_table(rows: list[dict], estimates: dict) -> str:
@@ -318,6 +349,38 @@ def memory_table(rows: list[dict]) -> str:
                      f"{said} |")
     return _table("| configuration | sampler's peak MB/rank | states MB/rank (P/G/OS), from its "
                   "own tensors | what it reports itself |", lines)
+
+
+def moe_targets(rows: list[dict], fr: list[dict], prows: list[dict], meta: dict) -> list[str]:
+    """The MoE flavour's targets (MOE_WIN, MOE_TIE, MOE_PLANNER_SHARE), measured."""
+    both = [f for f in fr if f["ratio"] is not None and f["baseline"] is not None]
+    wins = [f for f in both if f["ratio"] >= MOE_WIN]
+    lines = [f"AMSP >= {MOE_WIN}x the best baseline at most caps where both fit: "
+             + ("met" if len(wins) * 2 > len(both) else "MISSED")
+             + f" at {len(wins)} of {len(both)} caps"
+             + (f" (ratios {min(f['ratio'] for f in both):.2f}x-"
+                f"{max(f['ratio'] for f in both):.2f}x)" if both else "") + "."]
+    keys = {r["key"]: r for r in rows}
+    held, behind = [], []
+    for f in both:
+        twin = keys.get(same_schedule(f["baseline"]["key"], meta) or "")
+        if twin is not None and twin["peak"] <= f["cap"]:
+            held.append(f)
+            if f["ratio"] < MOE_TIE:
+                behind.append(f)
+    lines.append(f"Never behind (below {MOE_TIE}x, the run-to-run tenth) where AMSP's plan space "
+                 "holds the best baseline's schedule (FSDP2 + EP with shard groups s / se is "
+                 f"the pair ps-gs-oss / pse-gse-ose) and that pair fits the cap: "
+                 + ("met" if not behind else "MISSED") + f" ({len(held)} such caps"
+                 + ("" if not behind else "; behind at " + "; ".join(
+                     f"{f['cap'] / MB:.1f} MB ({f['ratio']:.2f}x against "
+                     f"{f['baseline']['label']})" for f in behind)) + ").")
+    good, total = planner_share(prows)
+    share = good / total if total else float("nan")
+    lines.append(f"Planner's pick within {PLANNER_TOL:.0%} of the measured best AMSP pair at "
+                 f"{MOE_PLANNER_SHARE:.0%} of the caps: {good} of {total} ({share:.0%}): "
+                 + ("met" if total and share >= MOE_PLANNER_SHARE else "MISSED") + ".")
+    return lines
 
 
 def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> list[str]:
@@ -364,6 +427,18 @@ def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> 
     return lines
 
 
+def workload(meta: dict) -> str:
+    m, a = meta["model"], meta["args"]
+    if not m.get("ep"):
+        return f"llama3 `{a['flavor']}` ({m['params']:,} params)"
+    return (f"torchtitan deepseek_v3 at the MoE flavour's size (`--flavor {a['flavor']}`, "
+            f"tools/bench_systems.moe_args: {m['params']:,} params, {m['expert_params']:,} of "
+            f"them routed experts ({m['expert_params'] / m['params']:.0%}); 3 MoE blocks of 16 "
+            f"experts, top 2, and 1 shared expert, after 1 dense block), expert parallel "
+            f"{m['ep']} (torchtitan's ExpertParallel over consecutive ranks; DDP runs without "
+            "it, every expert on every rank)")
+
+
 def section(data: dict, command: str, png_name: str) -> str:
     """One scale's markdown between its markers."""
     meta, a = data["meta"], data["meta"]["args"]
@@ -380,13 +455,14 @@ def section(data: dict, command: str, png_name: str) -> str:
     vrows = [planner_rows(rows, fr, v["picks"]) for v in variants]
     n, rpn = meta["nodes"], meta["ranks_per_node"]
     later = a.get("warmup_later")
-    tag = scale_tag(meta)
+    tag, moe = scale_tag(meta), is_moe(meta)
     parts = [f"<!-- frontier-{tag}:begin -->", "",
-             f"## {n} nodes x {rpn} ranks ({meta['world']} ranks), {meta.get('bw', '')}", "",
+             f"## {'MoE: ' if moe else ''}{n} nodes x {rpn} ranks ({meta['world']} ranks), "
+             f"{meta.get('bw', '')}", "",
              "```", command, "```", "",
              f"- Machine: {meta['machine']}; {n} emulated nodes x {rpn} ranks, gloo. Link: "
              f"{meta['link']}.",
-             f"- Workload: llama3 `{a['flavor']}` ({meta['model']['params']:,} params), fp32, "
+             f"- Workload: {workload(meta)}, fp32, "
              f"seq {a['seq']}, {a['micro_batch']} sequence per rank per micro-batch, M = "
              f"{a['micro_batches']}: {meta['tokens_per_step']} tokens per step; AdamW.",
              f"- {len(rows) + len(compressed)} configurations, interleaved in each of "
@@ -416,7 +492,8 @@ def section(data: dict, command: str, png_name: str) -> str:
         parts.append("- Stopped by the timeout, results so far: " + "; ".join(meta["incomplete"])
                      + ".")
     if meta.get("skipped"):
-        parts.append("- Not installed here, skipped: " + "; ".join(meta["skipped"]) + ".")
+        parts.append(("- Not run on this model: " if moe else "- Not installed here, skipped: ")
+                     + "; ".join(meta["skipped"]) + ".")
     if meta.get("profile_command"):
         parts.append(f"- Bandwidth profile for the planner, on the same emulated cluster "
                      f"before the sweep ({meta.get('profile_s', 0):.0f} s): "
@@ -427,6 +504,8 @@ def section(data: dict, command: str, png_name: str) -> str:
               "", "### The frontier", "", frontier_table(fr, vrows[0]), "",
               f"![frontier {n}x{rpn}]({png_name})", "", "### Targets (measured)", ""]
     parts += [f"- {line}" for line in targets(rows, fr, vrows[0], loss)]
+    if moe:
+        parts += [f"- {line}" for line in moe_targets(rows, fr, vrows[0], meta)]
     for v, vr in list(zip(variants, vrows))[1:]:
         good, total = planner_share(vr)
         parts.append(f"- The planner with {v['name']} ({v['desc']}): {good} of {total} caps "
@@ -437,7 +516,7 @@ def section(data: dict, command: str, png_name: str) -> str:
                   "error feedback on) ran interleaved with the others: "
                   + ", ".join(r["label"] for r in compressed) + ".", "",
                   compressed_table(fr, compressed, loss)]
-    parts += ["", "### Each system's best tokens/s under each cap", "", family_table(fr), "",
+    parts += ["", "### Each system's best tokens/s under each cap", "", family_table(fr, only_ran=moe), "",
               "### Memory as each peer reports it, beside the sampler", "", memory_table(rows),
               "", "### Every configuration", "",
               config_table(rows + compressed, planner.get("estimates", {})), "",
@@ -606,9 +685,9 @@ def sections_of(text: str) -> dict[str, re.Match]:
 def _place(m: re.Match) -> tuple:
     """Frontier sections first, fewest ranks first; then the overlap, then compression."""
     if m.group(2) is None:
-        return (1 if m.group(1) == "overlap" else 2,)
+        return (2 if m.group(1) == "overlap" else 3,)
     nodes, rpn = int(m.group(2)), int(m.group(3))
-    return (0, nodes * rpn, nodes, rpn, m.group(4))
+    return (1 if m.group(4).endswith("-moe") else 0, nodes * rpn, nodes, rpn, m.group(4))
 
 
 def header_of(text: str) -> str:

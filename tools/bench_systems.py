@@ -7,6 +7,14 @@ groups of s ranks); the peers ``ds_*`` / ``mfsdp_*`` (tools/bench_peers.py);
 grads= / weights= / error_feedback=False). Same model, seed, data, AdamW, all fp32. FSDP2
 gets explicit prefetch of the next block (no streams on CPU) and force-sum reductions (gloo
 has no PREMUL_SUM).
+
+The mixture-of-experts flavour (``--flavor moe``, MOE_FLAVOR) splits the routed experts over
+``ep`` consecutive ranks with torchtitan's own ExpertParallel and gives them a layout of
+their own over the expert world (W / ep ranks, ``expert_parallel_world``): ``zero3`` /
+``zero3_keep`` are torchtitan's FSDP2 + EP layout (dense over the W ranks, experts over the
+W / ep of "efsdp"), ``hsdp:<s>/<se>`` the dense part in shard groups of s and the experts
+in shard groups of se (torchtitan's own HSDP is se = s / ep), ``amsp:<dense plan>+e-<expert
+plan>`` a plan pair, and ``ddp`` the loss reference: every expert on every rank, no EP.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amsp_dtensor as amsp
-from amsp_dtensor.plan import ShardingPlan, enumerate_plans
+from amsp_dtensor.plan import ShardingPlan, enumerate_plans, expert_parallel_world
 
 FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "ds_z1": "DeepSpeed ZeRO-1",
             "ds_z2": "DeepSpeed ZeRO-2", "ds_z3": "DeepSpeed ZeRO-3",
@@ -38,6 +46,9 @@ OVERLAP = {"all_on": ({}, True), "grad_sync_off": ({"grad_sync": False}, True),
            "none": ({"grad_sync": False, "prefetch": False, "step": False}, False)}
 
 
+MOE_FLAVOR = "moe"
+
+
 def shard_sizes(world: int, rpn: int) -> list[int]:
     """Shard-group sizes other than 1 and the world: divisors of the world that stay in a
     node or fill whole nodes."""
@@ -45,8 +56,11 @@ def shard_sizes(world: int, rpn: int) -> list[int]:
             and ((s <= rpn and rpn % s == 0) or s % rpn == 0)]
 
 
-def sweep(world: int, rpn: int) -> list[str]:
-    """Every configuration of this topology: FSDP2's, the peers', then every AMSP plan."""
+def sweep(world: int, rpn: int, ep: int = 0) -> list[str]:
+    """Every configuration of this topology: FSDP2's, the peers', then every AMSP plan;
+    with ``ep`` (the MoE flavour's expert-parallel degree), moe_sweep's."""
+    if ep:
+        return moe_sweep(world, rpn, ep)
     sizes = shard_sizes(world, rpn)
     keys = ["ddp", "zero3", "zero3_keep", *[f"hsdp:{s}" for s in sizes]]
     keys += ["ds_z1", "ds_z2", "ds_z3", *[f"ds_hpz:{s}" for s in sizes if s <= rpn]]
@@ -55,17 +69,43 @@ def sweep(world: int, rpn: int) -> list[str]:
     return keys + [f"amsp:{p.name}" for p in enumerate_plans(world, rpn)]
 
 
-def amsp_key(arg: str) -> tuple[str, str, dict]:
-    """'p2-g2-os4/step_off+g-int8+w-bf16' -> (plan, switches, set_compression kwargs)."""
+def moe_sweep(world: int, rpn: int, ep: int) -> list[str]:
+    """The MoE flavour's configurations: DDP (no EP), FSDP2 + EP with every shard size of
+    each group (the dense one over the world, the experts' over the expert world; s = the
+    world and se = the expert world are zero3's), every AMSP plan pair. No peer trains
+    this model with EP (tools/bench_peers.moe_refusal says why)."""
+    e_world, e_rpn = expert_parallel_world(world, rpn, ep)
+    dense = [*shard_sizes(world, rpn), world]
+    experts = [1, *shard_sizes(e_world, e_rpn), *([e_world] if e_world > 1 else [])]
+    keys = ["ddp", "zero3", "zero3_keep"]
+    keys += [f"hsdp:{s}/{se}" for s in dense for se in experts if (s, se) != (world, e_world)]
+    return keys + [f"amsp:{p.name}+e-{e.name}" for p in enumerate_plans(world, rpn)
+                   for e in enumerate_plans(e_world, e_rpn)]
+
+
+def hsdp_sizes(arg: str, world: int, ep: int) -> tuple[int, int | None]:
+    """'4/2' -> (4, 2); '4' -> (4, None), or with experts torchtitan's coupling (4, 4 / ep)."""
+    s, _, se = arg.partition("/")
+    if se:
+        return int(s), int(se)
+    return int(s), (int(s) // ep if ep else None)
+
+
+def amsp_key(arg: str) -> tuple[str, str, dict, str | None]:
+    """'p2-g2-os4/step_off+e-p1-g1-os2+g-int8+w-bf16' -> (plan, switches, set_compression
+    kwargs, expert plan or None)."""
     base, *extra = arg.split("+")
     plan, _, switches = base.partition("/")
+    experts = [e[2:] for e in extra if e.startswith("e-")]
+    extra = [e for e in extra if not e.startswith("e-")]
     codecs = {"g": "grads", "w": "weights"}
     kw = {codecs[e[0]]: e[2:] for e in extra if e[:2] in ("g-", "w-")}
     if "noef" in extra:
         kw["error_feedback"] = False
-    if len(kw) != len(extra):
-        raise ValueError(f"unknown compression in amsp:{arg} (+g-CODEC, +w-CODEC, +noef)")
-    return plan, switches, kw
+    if len(kw) != len(extra) or len(experts) > 1:
+        raise ValueError(f"unknown setting in amsp:{arg} (+e-EXPERT_PLAN, +g-CODEC, "
+                         "+w-CODEC, +noef)")
+    return plan, switches, kw, (experts[0] if experts else None)
 
 
 def family(key: str) -> str:
@@ -82,9 +122,12 @@ def family(key: str) -> str:
 def label(key: str, rpn: int) -> str:
     head, _, arg = key.partition(":")
     if head == "amsp":
-        plan, switches, _ = amsp_key(arg)
-        return (f"AMSP {plan}" + (f" ({switches.replace('_', ' ')})" if switches else "")
-                + "".join(f" +{c}" for c in arg.split("+")[1:]))
+        plan, switches, _, experts = amsp_key(arg)
+        return (f"AMSP {plan}" + (f" / experts {experts}" if experts else "")
+                + (f" ({switches.replace('_', ' ')})" if switches else "")
+                + "".join(f" +{c}" for c in arg.split("+")[1:] if not c.startswith("e-")))
+    if head == "hsdp" and "/" in arg:
+        return "FSDP2 HSDP shard {} / experts {}".format(*arg.split("/"))
     return {"ddp": "DDP", "zero3": "FSDP2 reshard", "zero3_keep": "FSDP2 keep",
             "hsdp": f"FSDP2 HSDP shard {arg}",
             "ds_z1": "DS ZeRO-1", "ds_z2": "DS ZeRO-2", "ds_z3": "DS ZeRO-3",
@@ -93,23 +136,63 @@ def label(key: str, rpn: int) -> str:
 
 
 def model_args(flavor: str, seq_len: int):
+    """torchtitan model args: a llama3 flavour, or MOE_FLAVOR (moe_args)."""
     # torchtitan's import needs triton; the project's CPU shims stub it
     from amsp_dtensor.titan import cpu_compat
 
     cpu_compat.apply()
+    if flavor == MOE_FLAVOR:
+        return moe_args(seq_len)
     from torchtitan.models.llama3 import llama3_args
 
     return dataclasses.replace(llama3_args[flavor], max_seq_len=seq_len)
 
 
+def moe_args(seq_len: int):
+    """torchtitan's deepseek_v3 at a size where, as on a real cluster, the routed experts are
+    most of the bytes (9.4M of 12.4M parameters, 76%) and few of the FLOPs (top 2 of 16):
+    dim 256, 4 blocks (the first dense), latent attention with 4 heads, each MoE block 16
+    routed SwiGLU experts of 256 and 1 shared, softmax top-2 router; its for-loop experts
+    in fp32 (torchtitan's own choice off Hopper GPUs), no load-balancing bias."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+    from torchtitan.models.moe import MoEArgs
+
+    args = DeepSeekV3ModelArgs(
+        vocab_size=2048, dim=256, inter_dim=1024, moe_inter_dim=256, n_layers=4,
+        n_dense_layers=1, n_heads=4, q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, max_seq_len=seq_len,
+        moe_args=MoEArgs(num_experts=16, num_shared_experts=1, top_k=2, score_func="softmax",
+                         use_grouped_mm=False, load_balance_coeff=None))
+    args.moe_impl = "standard"  # what update_from_config sets from the job
+    return args
+
+
+def is_moe(args) -> bool:
+    return hasattr(args, "moe_args")
+
+
 def build_model(args, seed: int) -> nn.Module:
-    from torchtitan.models.llama3 import Transformer
+    if is_moe(args):
+        from torchtitan.models.deepseek_v3 import DeepSeekV3Model as Model
+    else:
+        from torchtitan.models.llama3 import Transformer as Model
 
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = Model(args)
     with torch.no_grad():
         model.init_weights()
     return model
+
+
+def split_experts(model: nn.Module, ep_mesh) -> list[nn.Module | None]:
+    """torchtitan's own expert parallelism (its apply_moe_ep_tp, without TP) over
+    ``ep_mesh``; each block's routed experts (None for a dense block)."""
+    from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
+
+    from amsp_dtensor.titan.units import routed_experts
+
+    apply_moe_ep_tp(model, tp_mesh=None, ep_mesh=ep_mesh, etp_mesh=None, ep_etp_mesh=None)
+    return [routed_experts(b) for b in blocks_of(model)]
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -213,18 +296,28 @@ class DDPSystem(System):
 
 
 class FSDPSystem(System):
-    def __init__(self, model, lr, mesh, reshard_after_forward=True, hsdp=False):
+    """FSDP2 on each block and the root; with ``experts`` (ep mesh, expert mesh),
+    torchtitan's FSDP2 + EP: the routed experts split over ep, then each MoE block's experts
+    sharded on the expert mesh before their block, their gradients divided by the whole
+    data-parallel world (EP brought every rank's tokens to them), prefetch naming them."""
+
+    def __init__(self, model, lr, mesh, reshard_after_forward=True, hsdp=False, experts=None):
         self.hsdp = hsdp
         blocks = blocks_of(model)
-        for block in blocks:
+        routed = split_experts(model, experts[0]) if experts else [None] * len(blocks)
+        for block, ex in zip(blocks, routed):
+            if ex is not None:
+                fully_shard(ex, mesh=experts[1], reshard_after_forward=reshard_after_forward)
+                ex.set_gradient_divide_factor(float(mesh.size()))
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh)  # root: kept after forward (FSDP2's default)
+        with_experts = [[b] + ([ex] if ex is not None else []) for b, ex in zip(blocks, routed)]
         for i, block in enumerate(blocks):
             if i + 1 < len(blocks):
-                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+                block.set_modules_to_forward_prefetch(with_experts[i + 1])
             if i > 0:
-                block.set_modules_to_backward_prefetch([blocks[i - 1]])
-        for m in [model, *blocks]:
+                block.set_modules_to_backward_prefetch(with_experts[i - 1])
+        for m in [model, *blocks, *filter(None, routed)]:
             m.set_force_sum_reduction_for_comms(True)
         self.model = model
         self.optim = adamw(model.parameters(), lr)
@@ -236,15 +329,24 @@ class FSDPSystem(System):
 
 class AMSPSystem(System):
     """torchtitan's units: tok_embeddings, each block, [norm, output] kept after forward,
-    the root. ``switches``: a key of OVERLAP (the four overlap switches)."""
+    the root, on ``mesh`` (amsp.init_mesh's: it carries the plan); with ``experts``, each MoE
+    block's routed experts split by torchtitan's EP and a unit on the expert mesh first.
+    ``switches``: a key of OVERLAP (the four overlap switches)."""
 
-    def __init__(self, model, lr, plan, mesh, switches: str = "all_on", compression=None):
+    def __init__(self, model, lr, mesh, switches: str = "all_on", compression=None,
+                 experts: bool = False):
         self.amsp = amsp
-        splan = plan.as_plan()
-        for unit in [model.tok_embeddings, *blocks_of(model), [model.norm, model.output]]:
-            amsp.fully_shard(unit, mesh=mesh, plan=splan,
-                             **({"reshard_after_forward": False} if isinstance(unit, list) else {}))
-        amsp.fully_shard(model, mesh=mesh, plan=splan)
+        blocks = blocks_of(model)
+        # each MoE block's routed experts a unit on the expert mesh, before their block
+        emesh = amsp.expert_mesh(mesh) if experts else None
+        routed = split_experts(model, emesh["ep"]) if experts else [None] * len(blocks)
+        amsp.fully_shard(model.tok_embeddings, mesh=mesh)
+        for block, ex in zip(blocks, routed):
+            if ex is not None:
+                amsp.fully_shard(ex, mesh=emesh)
+            amsp.fully_shard(block, mesh=mesh)
+        amsp.fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False)
+        amsp.fully_shard(model, mesh=mesh)
         overlap, param_update = OVERLAP[switches]
         self.overlap = amsp.set_overlap(model, **overlap)
         if compression:  # before the optimizer (compressed weights keep separate masters)
@@ -290,10 +392,11 @@ class GroupPool:
 
 
 class Meshes:
-    """Each device mesh built once per process, its groups from one GroupPool."""
+    """Each device mesh built once per process, its groups from one GroupPool; ``ep``: the
+    MoE flavour's expert-parallel degree (0: a dense model)."""
 
-    def __init__(self, world: int, rpn: int):
-        self.world, self.rpn, self._cache = world, rpn, {}
+    def __init__(self, world: int, rpn: int, ep: int = 0):
+        self.world, self.rpn, self.ep, self._cache = world, rpn, ep, {}
         self._pool = GroupPool()
 
     def get(self, shape: tuple[int, ...], names: tuple[str, ...]):
@@ -302,22 +405,39 @@ class Meshes:
             self._cache[(shape, names)] = init_device_mesh("cpu", shape, mesh_dim_names=names)
         return self._cache[(shape, names)]
 
+    def expert_meshes(self, se: int):
+        """FSDP2 + EP: (the "ep" mesh, the experts' FSDP2 mesh: shard groups of se ranks of
+        the expert world, replicated over the rest), ep fastest in rank order."""
+        e_world = self.world // self.ep
+        m = self.get((e_world // se, se, self.ep), ("erep", "eshard", "ep"))
+        return m["ep"], (m["erep", "eshard"] if se < e_world else m["eshard"])
+
     def of(self, key: str):
         """The mesh configuration `key` trains on (None: DDP, and the peers, which build
-        theirs with ``get``); for AMSP, ``amsp.init_mesh``'s for the plan."""
+        theirs with ``get``); for AMSP, ``amsp.init_mesh``'s for the plan (pair). With
+        experts, FSDP2's is (dense mesh, expert_meshes)."""
         head, _, arg = key.partition(":")
-        if head == "hsdp":
-            return self.get((self.world // int(arg), int(arg)), ("replicate", "shard"))
-        if head in ("zero3", "zero3_keep"):
-            return self.get((self.world,), ("dp",))
+        if head in ("hsdp", "zero3", "zero3_keep"):
+            s, se = hsdp_sizes(arg, self.world, self.ep) if head == "hsdp" else (
+                self.world, self.world // self.ep if self.ep else None)
+            dense = (self.get((self.world,), ("dp",)) if s == self.world else
+                     self.get((self.world // s, s), ("replicate", "shard")))
+            return (dense, self.expert_meshes(se)) if self.ep else dense
         if head != "amsp":
             return None
-        plan = ShardingPlan.from_name(amsp_key(arg)[0]).resolve(self.world, self.rpn)
-        if ("amsp", plan.name) not in self._cache:
+        plan, _, _, experts = amsp_key(arg)
+        plan = ShardingPlan.from_name(plan).resolve(self.world, self.rpn)
+        if self.ep and experts is None:
+            raise ValueError(f"{key}: the MoE flavour's AMSP keys name an expert plan "
+                             "(amsp:<plan>+e-<expert plan>)")
+        eplan = ShardingPlan.from_name(experts) if experts else None
+        tag = ("amsp", plan.name, experts)
+        if tag not in self._cache:
             self._pool.next_mesh()
-            self._cache[("amsp", plan.name)] = amsp.init_mesh(
-                plan.as_plan(), ranks_per_node=self.rpn, device_type="cpu")
-        return self._cache[("amsp", plan.name)]
+            self._cache[tag] = amsp.init_mesh(
+                plan.as_plan(), ranks_per_node=self.rpn, device_type="cpu",
+                **({"ep": self.ep, "expert_plan": eplan} if self.ep else {}))
+        return self._cache[tag]
 
 
 def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, workload) -> System:
@@ -326,15 +446,19 @@ def make_system(key: str, model_args, seed: int, lr: float, meshes: Meshes, work
     if head.startswith(("ds_", "mfsdp")):
         from tools import bench_peers
 
+        if meshes.ep:
+            raise ValueError(f"{key}: {bench_peers.moe_refusal(key)}")
         return bench_peers.make_system(key, model_args, seed, lr, meshes, workload)
     model = build_model(model_args, seed)
-    if head == "ddp":
+    if head == "ddp":  # with experts too: every expert on every rank (the loss reference)
         return DDPSystem(model, lr)
     if head in ("zero3", "zero3_keep", "hsdp"):
-        return FSDPSystem(model, lr, meshes.of(key), reshard_after_forward=head != "zero3_keep",
-                          hsdp=head == "hsdp")
+        mesh = meshes.of(key)
+        dense, experts = mesh if meshes.ep else (mesh, None)
+        return FSDPSystem(model, lr, dense, reshard_after_forward=head != "zero3_keep",
+                          hsdp=dense.ndim == 2, experts=experts)
     if head == "amsp":
-        plan, switches, compression = amsp_key(arg)
-        p = ShardingPlan.from_name(plan).resolve(meshes.world, meshes.rpn)
-        return AMSPSystem(model, lr, p, meshes.of(key), switches or "all_on", compression)
+        _, switches, compression, _ = amsp_key(arg)
+        return AMSPSystem(model, lr, meshes.of(key), switches or "all_on", compression,
+                          experts=bool(meshes.ep))
     raise ValueError(f"unknown configuration {key!r}")

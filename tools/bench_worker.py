@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from amsp_dtensor.titan.units import routed_experts
 from tools import bench_comm, bench_memory, bench_systems as S
 
 @dataclasses.dataclass
@@ -45,7 +46,11 @@ def comma_list(spec: str) -> list[str]:
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The options the launcher takes and passes to every worker (one set of defaults)."""
-    ap.add_argument("--flavor", default="debugmodel")
+    ap.add_argument("--flavor", default="debugmodel",
+                    help="a torchtitan llama3 flavour, or 'moe' (bench_systems.moe_args)")
+    ap.add_argument("--ep", type=int, default=None,
+                    help="the moe flavour's expert-parallel degree (default 2): consecutive "
+                         "ranks, inside a node or spanning whole nodes")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch")
     ap.add_argument("--micro-batches", type=int, default=4, help="M: grad-accumulation steps")
@@ -70,8 +75,19 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
 
 
-WORKLOAD = ("flavor", "seq", "micro_batch", "micro_batches", "warmup", "warmup_later",
+WORKLOAD = ("flavor", "ep", "seq", "micro_batch", "micro_batches", "warmup", "warmup_later",
             "warmup_micro_batches", "steps", "reps", "prune", "prune_all", "keep", "lr", "seed")
+
+
+def expert_parallel(args) -> int:
+    """The expert-parallel degree of the workload: 0 for a dense flavour (where --ep is
+    refused), --ep or 2 for the moe flavour."""
+    if args.flavor != S.MOE_FLAVOR:
+        if args.ep is not None:
+            raise SystemExit(f"--ep {args.ep}: flavour {args.flavor} has no experts; give "
+                             f"--flavor {S.MOE_FLAVOR} or drop --ep")
+        return 0
+    return 2 if args.ep is None else args.ep
 
 
 def workload_argv(args) -> list[str]:
@@ -111,7 +127,7 @@ class Worker:
         self.rpn = int(os.environ["LOCAL_WORLD_SIZE"])
         self.counter = bench_comm.install(self.rpn)
         self.model_args = S.model_args(args.flavor, args.seq)
-        self.meshes = S.Meshes(self.world, self.rpn)
+        self.meshes = S.Meshes(self.world, self.rpn, expert_parallel(args))
 
     def measure(self, key: str, mode: str, rep: int, steps: int) -> Result:
         a = self.args
@@ -246,7 +262,11 @@ def main(argv=None) -> int:
     results: list[Result] = []
     pruned: list[str] | None = None
     t_start, load_start = time.time(), os.getloadavg()[0]
-    n_params = sum(p.numel() for p in S.build_model(w.model_args, args.seed).parameters())
+    whole = S.build_model(w.model_args, args.seed)
+    n_params = sum(p.numel() for p in whole.parameters())
+    n_expert = sum(p.numel() for ex in map(routed_experts, S.blocks_of(whole)) if ex is not None
+                   for p in ex.parameters())
+    del whole
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, " \
               f"torch {torch.__version__}"
 
@@ -255,7 +275,8 @@ def main(argv=None) -> int:
         launcher's timeout still leaves the repetitions it finished)."""
         meta = {"args": vars(args), "world": w.world, "ranks_per_node": w.rpn,
                 "nodes": w.world // w.rpn, "configs": runs,
-                "model": {"flavor": args.flavor, "params": n_params},
+                "model": {"flavor": args.flavor, "params": n_params, "ep": w.meshes.ep,
+                          "expert_params": n_expert},
                 "tokens_per_step": tokens, "pruned": pruned or [], "kept": sorted(keep),
                 "setup": setup, "link": os.environ.get("AMSP_CLUSTER_LINK", "unknown"),
                 "machine": machine, "wall_s": time.time() - t_start, "complete": done,

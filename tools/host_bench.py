@@ -25,6 +25,15 @@ same explicit prefetch (the next unit in forward, the previous in backward) and 
 AdamW (foreach); AMSP's masters are views of the fp32 params. ``--modes eager,compiled``:
 compiled is per-block ``torch.compile`` (before sharding, as torchtitan does).
 
+``--ep N``: the model is the testing TinyMoE at the same dims (a dense first block, then MoE
+blocks of ``--experts`` grouped experts, top 2, and a shared expert), its experts split over N
+consecutive ranks by its all-to-all EP (each rank routes to its own tokens' counts: the fake
+group moves no data, and the routing is the balanced one, which does not read the weights);
+``fsdp2`` is then torchtitan's FSDP2 + EP (each MoE block's experts sharded over the W / N
+ranks of "efsdp" before their block, their gradients divided by W, prefetch naming them),
+and AMSP keys name an expert plan, ``amsp:<plan>+e-<expert plan>`` (``E`` = W / N):
+``amsp:pW-gW-osW+e-pE-gE-osE`` is torchtitan's layout.
+
 Rows of the markdown table: one per (mode, configuration), with CPU ms, wall ms, ops and
 the ratio of CPU time to the baseline at the same schedule (FSDP2 for pW-gW-osW and AMSP's
 own plans, HSDP for pS-gS-osS).
@@ -53,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (min taken)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument("--ep", type=int, default=0, help="expert parallel: the TinyMoE model")
+    ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE block")
     ap.add_argument("--modes", default="eager,compiled")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -63,8 +74,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def resolve(key: str, world: int, per_node: int) -> str:
-    return key.replace("W", str(world)).replace("S", str(per_node))
+def resolve(key: str, world: int, per_node: int, ep: int = 0) -> str:
+    key = key.replace("W", str(world)).replace("S", str(per_node))
+    return key.replace("E", str(world // ep)) if ep else key
 
 
 def baseline_of(key: str, world: int, per_node: int) -> str:
@@ -96,12 +108,22 @@ class Bench:
         device = torch.device(getattr(args, "device", "cpu"))
         bf16 = getattr(args, "precision", "fp32") == "bf16"
         torch.manual_seed(0)
-        cfg = TinyLlamaConfig(vocab_size=getattr(args, "vocab", 100), dim=args.dim,
-                              n_layers=args.blocks, n_heads=getattr(args, "heads", 4),
-                              ffn_dim=getattr(args, "ffn", None) or 2 * args.dim,
-                              max_seq_len=args.seq)
-        with device:
-            model = TinyLlama(cfg)
+        sizes = dict(vocab_size=getattr(args, "vocab", 100), dim=args.dim,
+                     n_layers=args.blocks, n_heads=getattr(args, "heads", 4),
+                     ffn_dim=getattr(args, "ffn", None) or 2 * args.dim, max_seq_len=args.seq)
+        ep = getattr(args, "ep", 0)
+        if ep:
+            from amsp_dtensor.testing.tiny_moe import TinyMoE, TinyMoEConfig, expert_parallelize
+
+            cfg = TinyMoEConfig(**sizes, n_experts=args.experts, top_k=2,
+                                expert_dim=2 * args.dim, shared_dim=args.dim, balanced=True)
+            with device:
+                model = TinyMoE(cfg)
+        else:
+            cfg = TinyLlamaConfig(**sizes)
+            with device:
+                model = TinyLlama(cfg)
+        routed = [getattr(b, "moe", None) and b.moe.experts for b in model.layers]
         if bf16 and (key == "floor" or key.startswith("amsp:")):
             model = model.to(torch.bfloat16)
         if mode == "compiled":
@@ -118,28 +140,55 @@ class Bench:
                 names = ("dp",) if key == "fsdp2" else ("replicate", "shard")
                 meshes[key] = init_device_mesh(device.type, shape, mesh_dim_names=names)
             kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
+            if ep:  # torchtitan's FSDP2 + EP: experts over "efsdp" (W / ep), ep fastest
+                if "efsdp" not in meshes:
+                    meshes["efsdp"] = init_device_mesh(device.type, (world // ep, ep),
+                                                       mesh_dim_names=("efsdp", "ep"))
+                expert_parallelize(model, meshes["efsdp"]["ep"])
+                for ex in filter(None, routed):
+                    ex.counts_from_self = True
+                    fully_shard(ex, mesh=meshes["efsdp"]["efsdp"], **kw)
+                    ex.set_gradient_divide_factor(float(world))
             for unit in units:
                 fully_shard(unit, mesh=meshes[key], **kw,
                             **({"reshard_after_forward": False} if isinstance(unit, list) else {}))
             fully_shard(model, mesh=meshes[key], **kw)
             fsdp = [u if not isinstance(u, list) else u[0] for u in units]
+            # each block's experts with it (torchtitan's prefetch under EP)
+            ex_of = [[], *[[e] if e else [] for e in routed], []]
             for i, m in enumerate(fsdp):  # the prefetch AMSP sets (engine/overlap.py)
-                m.set_modules_to_forward_prefetch(fsdp[i + 1:i + 2])
-                m.set_modules_to_backward_prefetch(fsdp[max(i - 1, 0):i])
+                m.set_modules_to_forward_prefetch(
+                    fsdp[i + 1:i + 2] + (ex_of[i + 1] if i + 1 < len(fsdp) else []))
+                m.set_modules_to_backward_prefetch(
+                    fsdp[max(i - 1, 0):i] + (ex_of[i - 1] if i > 0 else []))
+            for m in [*fsdp, *filter(None, routed)]:
                 if device.type == "cpu":  # as AMSP does on CPU, where FSDP2 has no streams
                     compat.fsdp_set_unshard_async_op(m, True)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
         else:
             plan_name, *extra = key[5:].split("+")
+            experts = next((e[2:] for e in extra if e.startswith("e-")), None)
+            if bool(ep) != bool(experts):
+                raise SystemExit(f"{key}: with --ep an AMSP key names an expert plan "
+                                 "(+e-<plan>), without it none")
             plan = amsp.ShardingPlan.from_name(plan_name)
-            if plan_name not in meshes:
-                meshes[plan_name] = amsp.init_mesh(plan, ranks_per_node=per_node,
-                                                   device_type=device.type)
+            tag = (plan_name, experts)
+            if tag not in meshes:
+                meshes[tag] = amsp.init_mesh(plan, ranks_per_node=per_node,
+                                             device_type=device.type, **(dict(
+                                                 ep=ep, expert_plan=amsp.ShardingPlan.from_name(
+                                                     experts)) if ep else {}))
+            mesh = meshes[tag]
+            if ep:  # each MoE block's experts a unit on the expert mesh, before the block
+                expert_parallelize(model, amsp.expert_mesh(mesh)["ep"])
+                for ex in filter(None, routed):
+                    ex.counts_from_self = True
+                    amsp.fully_shard(ex, mesh=amsp.expert_mesh(mesh))
             for unit in units:
-                amsp.fully_shard(unit, mesh=meshes[plan_name], plan=plan,
+                amsp.fully_shard(unit, mesh=mesh,
                                  **({"reshard_after_forward": False} if isinstance(unit, list)
                                     else {}))
-            amsp.fully_shard(model, mesh=meshes[plan_name], plan=plan)
+            amsp.fully_shard(model, mesh=mesh)
             if "int8" in extra:
                 amsp.set_compression(model, grads="int8", weights="bf16")
             if "nostep" in extra:  # one optimizer step after every gradient has landed
@@ -201,7 +250,7 @@ def run(args) -> list[dict]:
 
     torch.set_num_threads(1)
     compat.init_fake_process_group(0, args.world)
-    keys = [resolve(k, args.world, args.per_node) for k in args.configs.split(",") if k]
+    keys = [resolve(k, args.world, args.per_node, args.ep) for k in args.configs.split(",") if k]
     modes = [m for m in args.modes.split(",") if m]
     meshes: dict = {}
     benches = [Bench(key, mode, args, meshes) for mode in modes for key in keys]
@@ -274,7 +323,8 @@ def profile(args) -> None:
 
 
 def markdown(rows: list[dict], args) -> str:
-    lines = [f"W={args.world} ({args.per_node} per node), TinyLlama dim {args.dim}, "
+    model = (f"TinyMoE ({args.experts} experts, top 2, ep {args.ep})" if args.ep else "TinyLlama")
+    lines = [f"W={args.world} ({args.per_node} per node), {model} dim {args.dim}, "
              f"{args.blocks} blocks ({args.blocks + 3} units), seq {args.seq}; min of "
              f"{args.reps} interleaved reps of {args.steps} steps; load {_load()}",
              "",
