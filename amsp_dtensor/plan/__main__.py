@@ -31,6 +31,7 @@ from amsp_dtensor.plan.compression import CODECS, Compression
 from amsp_dtensor.plan.cost.models import MODELS, ModelShape, get_model
 from amsp_dtensor.plan.cost.nccl import NcclModel
 from amsp_dtensor.plan.cost.planner import (
+    PAIR_GRID_LIMIT,
     MAX_AUTO_TP,
     NoPlanFits,
     PlanEstimate,
@@ -333,10 +334,12 @@ def render_experts(report: PlanReport, top: int) -> str:
                      f"({fit} of {len(report.expert_candidates)} fit)")
     groups = best.group_bytes()
     rounds = ", then ".join(f"{d} + experts {e}" for d, e in report.rounds)
+    n = len(report.candidates) * len(report.expert_candidates)
     lines += [
         "",
-        f"why: alternating search (dense plans with the expert plan fixed, then expert plans "
-        f"with the dense one fixed): {rounds}.",
+        (f"why: the fastest fitting of all {n} pairs: {rounds}." if n <= PAIR_GRID_LIMIT else
+         f"why: alternating search over {n} pairs (dense plans with the expert plan fixed, then "
+         f"expert plans with the dense one fixed): {rounds}."),
         "bytes per GPU per step by group (GB, intra / inter node): " + "; ".join(
             f"{g} {b['intra'] / 1e9:.2f} / {b['inter'] / 1e9:.2f}"
             for g, b in sorted(groups.items())) + " (ep: EP's token all-to-alls)",

@@ -263,7 +263,8 @@ class PlanReport:
     # a model with experts: every expert plan with the chosen dense plan, fitting first,
     # fastest first (candidates are every dense plan with the chosen expert plan)
     expert_candidates: list[PlanEstimate] = field(default_factory=list)
-    # the alternating search's rounds: (dense plan, expert plan) chosen by each
+    # the pair search's choices, (dense plan, expert plan): the one pair of the whole grid,
+    # or each round's of the alternating search beyond it (_choose_pair)
     rounds: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -653,7 +654,7 @@ def choose_plan(
     ep: the expert-parallel degree, for a model with experts (Experts in cost/models.py):
       the plans are then pairs, a dense plan over the data-parallel world and an expert
       plan over the expert world (W / ep ranks, sharding_plan.expert_parallel_world),
-      chosen by alternating (_choose_pair); report.expert_candidates ranks the expert
+      the fastest fitting pair of all (_choose_pair); report.expert_candidates ranks the expert
       plans beside the chosen dense one. The baselines pair the same system for both
       groups (ZeRO-3/FSDP: torchtitan's FSDP2 + EP, experts sharded over the expert world,
       on dim 1 where torchtitan does; the plans are the engine's, dim 0, padded).
@@ -872,6 +873,20 @@ def _choose_plan(
                       expert_candidates=expert_estimates, rounds=rounds)
 
 
+# [Note: every plan pair, or alternating]
+# A model with experts is planned as a pair: a dense plan and an expert plan, sharing one
+# memory budget and the step's communication queue. An alternating search (the dense plan
+# for the expert plan, then the expert plan for that dense plan, until it settles) costs
+# len(plans) + len(expert_plans) estimates a round, but it stops at the first pair that
+# neither step improves. On the emulated cluster's MoE model (4 ranks, ep 2, fp32) it did:
+# from torchtitan's experts (ZeRO-3 over the expert world) the fastest dense plan took the
+# budget whole (p1-g1-os1), no expert plan then fitted beside it but the one it started
+# from, and the search kept p1-g1-os1 / p2-g2-os2 while p1-g1-os4 / p1-g1-os2 fitted the
+# same budget by its own estimate and ran 2.2x faster as measured. So the planner costs
+# every pair where there are at most PAIR_GRID_LIMIT (784 at 64 GPUs, 8 per node, ep 8: about
+# 2 s for deepseek_v3_16b) and alternates beyond: a pair's estimate takes 1-17 ms (17 for
+# deepseek_v3_671b's 61 blocks), and 1024 GPUs at ep 64 have 3025 pairs (52 s).
+PAIR_GRID_LIMIT = 1024
 # the alternating search's rounds at most: each round picks the dense plan for the expert
 # plan, then the expert plan for that dense plan; it stops when the expert plan stays
 MAX_PAIR_ROUNDS = 4
@@ -879,15 +894,30 @@ MAX_PAIR_ROUNDS = 4
 
 def _choose_pair(shape: ModelShape, plans: list, expert_plans: list, ep: int, common: dict,
                  rank_by: str) -> tuple[list, list, list]:
-    """(dense plan, expert plan) for a model with experts, by alternating: start from
-    the experts sharded as torchtitan does (ZeRO-3 over the expert world), rank every
-    dense plan with them, then every expert plan with the best dense one, and again,
-    until a round keeps the expert plan it started from (its dense ranking is then of
-    the chosen pair). The groups interact only through
-    memory (one budget) and the shared communication queue, so the search settles in
-    one or two rounds (len(plans) + len(expert_plans) estimates each) where all pairs
-    would be their product; after MAX_PAIR_ROUNDS it keeps the last expert plan. Returns every dense plan's estimate with the chosen expert
-    plan, every expert plan's with the chosen dense plan, and each round's choice."""
+    """(dense plan, expert plan) for a model with experts: the fastest fitting pair of
+    all (see [Note: every plan pair, or alternating]), or, beyond PAIR_GRID_LIMIT pairs,
+    _alternate's. Returns every dense plan's estimate with the chosen expert plan, every
+    expert plan's with the chosen dense plan, and the search's choices ((dense, expert)
+    names: the one pair of the whole grid, or each alternating round's)."""
+    if len(plans) * len(expert_plans) > PAIR_GRID_LIMIT:
+        return _alternate(shape, plans, expert_plans, ep, common, rank_by)
+    grid = {(p.name, q.name): estimate_plan(shape, p, expert_plan=q, ep=ep, **common)
+            for p in plans for q in expert_plans}
+    best = _best(list(grid.values()), rank_by)
+    dense = [grid[(p.name, best.expert_plan.name)] for p in plans]
+    experts = [grid[(best.plan.name, q.name)] for q in expert_plans]
+    ranked = _rank((e for e in experts if e.fits), rank_by)
+    ranked += sorted((e for e in experts if not e.fits), key=lambda e: e.memory.total)
+    return dense, ranked, [(best.plan.name, best.expert_plan.name)]
+
+
+def _alternate(shape: ModelShape, plans: list, expert_plans: list, ep: int, common: dict,
+               rank_by: str) -> tuple[list, list, list]:
+    """_choose_pair by alternating: start from the experts sharded as torchtitan does
+    (ZeRO-3 over the expert world), rank every dense plan with them, then every expert plan
+    with the best dense one, and again, until a round keeps the expert plan it started
+    from (its dense ranking is then of the chosen pair); after MAX_PAIR_ROUNDS it keeps
+    the last expert plan. len(plans) + len(expert_plans) estimates a round."""
     expert = BASELINES["zero3"].resolve(expert_plans[0].world_size,
                                         expert_plans[0].ranks_per_node)
     rounds: list[tuple[str, str]] = []
