@@ -123,8 +123,9 @@ def test_report_targets_same_schedule_and_section_place():
     dense = "<!-- frontier-2x2:begin -->\nd\n<!-- frontier-2x2:end -->"
     big = "<!-- frontier-4x2:begin -->\nd8\n<!-- frontier-4x2:end -->"
     overlap = "<!-- overlap:begin -->\no\n<!-- overlap:end -->"
-    doc = R.assemble("# H\n\n" + "\n\n".join([dense, big, overlap]), None, sec)
-    assert doc == "# H\n\n" + "\n\n".join([dense, big, sec, overlap]) + "\n"
+    slow = "<!-- frontier-2x2-200mbit-moe:begin -->\ns\n<!-- frontier-2x2-200mbit-moe:end -->"
+    doc = R.assemble("# H\n\n" + "\n\n".join([dense, big, slow, overlap]), None, sec)
+    assert doc == "# H\n\n" + "\n\n".join([dense, big, sec, slow, overlap]) + "\n"
 
 
 def test_the_planner_prices_every_pair_and_picks_one():

@@ -683,11 +683,13 @@ def sections_of(text: str) -> dict[str, re.Match]:
 
 
 def _place(m: re.Match) -> tuple:
-    """Frontier sections first, fewest ranks first; then the overlap, then compression."""
+    """Frontier sections first (dense, then MoE), fewest ranks first, 1gbit before other
+    rates; then the overlap, then compression."""
     if m.group(2) is None:
         return (2 if m.group(1) == "overlap" else 3,)
     nodes, rpn = int(m.group(2)), int(m.group(3))
-    return (1 if m.group(4).endswith("-moe") else 0, nodes * rpn, nodes, rpn, m.group(4))
+    rate, moe = m.group(4).removesuffix("-moe"), m.group(4).endswith("-moe")
+    return (int(moe), nodes * rpn, nodes, rpn, rate)
 
 
 def header_of(text: str) -> str:
