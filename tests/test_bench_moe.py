@@ -99,8 +99,8 @@ def test_report_targets_same_schedule_and_section_place():
     # caps 110, 130, 131: 4000/1500 tok/s over 250 (zero3) and 500 (hsdp 2/1): 2.67x, 1.33x,
     # 1.33x; at 300 DDP's 1000 is ahead (0.67x); at 90 only zero3 fits, at 91 zero3 (0.95x
     # against the twin 4.0 s / 3.8 s = 1.05x)
-    assert lines[0] == ("AMSP >= 1.3x the best baseline at most caps where both fit: met at 3 "
-                        "of 5 caps (ratios 0.67x-2.67x).")
+    assert lines[0] == ("AMSP >= 1.3x the best baseline at most caps where both fit: met (at 3 "
+                        "of 5 caps; ratios 0.67x-2.67x).")
     # zero3's twin (91 MB) fits at 91 (1.05x) and 110, hsdp:2/1's (131 MB) at 131 (1.33x)
     # but not at 130; DDP (the best at 300) has no twin
     assert "pse-gse-ose) and that pair fits the cap: met (3 such caps)." in lines[1]

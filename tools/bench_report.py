@@ -357,9 +357,9 @@ def moe_targets(rows: list[dict], fr: list[dict], prows: list[dict], meta: dict)
     wins = [f for f in both if f["ratio"] >= MOE_WIN]
     lines = [f"AMSP >= {MOE_WIN}x the best baseline at most caps where both fit: "
              + ("met" if len(wins) * 2 > len(both) else "MISSED")
-             + f" at {len(wins)} of {len(both)} caps"
-             + (f" (ratios {min(f['ratio'] for f in both):.2f}x-"
-                f"{max(f['ratio'] for f in both):.2f}x)" if both else "") + "."]
+             + f" (at {len(wins)} of {len(both)} caps"
+             + (f"; ratios {min(f['ratio'] for f in both):.2f}x-"
+                f"{max(f['ratio'] for f in both):.2f}x" if both else "") + ")."]
     keys = {r["key"]: r for r in rows}
     held, behind = [], []
     for f in both:
