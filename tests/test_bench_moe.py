@@ -32,8 +32,9 @@ def test_the_sweep_is_every_fsdp2_shard_pair_and_every_amsp_plan_pair():
         "hsdp:2/1", "hsdp:2/2", "hsdp:2/4", "hsdp:4/1", "hsdp:4/2", "hsdp:4/4", "hsdp:8/1",
         "hsdp:8/2"]
     assert S.sweep(4, 2) == S.sweep(4, 2, ep=0)  # the dense sweep is unchanged
-    assert S.hsdp_sizes("4", 8, 2) == (4, 2)  # torchtitan's coupling: efsdp = s / ep
-    assert S.hsdp_sizes("4/1", 8, 2) == (4, 1)
+    assert S.fsdp_sizes("hsdp:4", 8, 2) == (4, 2)  # torchtitan's coupling: efsdp = s / ep
+    assert S.fsdp_sizes("hsdp:4/1", 8, 2) == (4, 1)
+    assert S.fsdp_sizes("zero3_keep", 8, 2) == (8, 4) and S.fsdp_sizes("hsdp:4", 8, 0) == (4, None)
     assert S.label("hsdp:4/1", 2) == "FSDP2 HSDP shard 4 / experts 1"
 
 
@@ -158,6 +159,7 @@ def test_the_planner_costs_every_pair_where_alternating_stopped_early(monkeypatc
     import argparse
 
     import amsp_dtensor.plan.cost.planner as P
+    from amsp_dtensor.plan import enumerate_plans
     from tools import bench as B
 
     args = argparse.Namespace(flavor="moe", ep=None, seq=64, micro_batch=1, micro_batches=4)
@@ -165,13 +167,14 @@ def test_the_planner_costs_every_pair_where_alternating_stopped_early(monkeypatc
     name, report = B.planner_choice(args, 4, 2, 125e6, link)
     every = [P.estimate_plan(report.model, p, expert_plan=q, ep=2, time_model=link,
                              memory_budget_bytes=125e6, **B._costing(args))
-             for p in B.enumerate_plans(4, 2) for q in B.enumerate_plans(2, 1)]
+             for p in enumerate_plans(4, 2) for q in enumerate_plans(2, 1)]
     fastest = P._rank([e for e in every if e.fits])[0]
     assert name == B.pair_name(fastest) == "p2-g2-os4+e-p1-g1-os2"
     assert report.rounds == [("p2-g2-os4", "p1-g1-os2")]
     monkeypatch.setattr(P, "PAIR_GRID_LIMIT", 0)  # the alternating search
     stuck, alt = B.planner_choice(args, 4, 2, 125e6, link)
     assert stuck == "p1-g1-os2+e-p2-g2-os2" and alt.best.fits
+    assert len(report.pairs) == 9 * 4 and alt.pairs == []  # the grid costed, or not
     assert alt.best.step_seconds > 3.5 * report.best.step_seconds
 
 

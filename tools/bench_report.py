@@ -14,7 +14,7 @@ import math
 import re
 import statistics
 
-from tools.bench_systems import FAMILIES, amsp_key, family, label
+from tools.bench_systems import FAMILIES, amsp_key, family, fsdp_sizes, label
 
 MB = 1e6
 OTHERS = tuple(f for f in FAMILIES if f != "amsp")
@@ -63,16 +63,9 @@ def same_schedule(key: str, meta: dict) -> str | None:
     + EP with dense shard groups of s and expert ones of se is the plan pair ps-gs-oss /
     pse-gse-ose; None where AMSP's plan space lacks it (DDP without EP, FSDP2 keeping the
     parameters after forward)."""
-    from tools.bench_systems import hsdp_sizes
-
-    world, ep = meta["world"], meta["model"]["ep"]
-    head, _, arg = key.partition(":")
-    if head == "zero3":
-        s, se = world, world // ep
-    elif head == "hsdp":
-        s, se = hsdp_sizes(arg, world, ep)
-    else:
+    if key != "zero3" and not key.startswith("hsdp:"):
         return None
+    s, se = fsdp_sizes(key, meta["world"], meta["model"]["ep"])
     return f"amsp:p{s}-g{s}-os{s}+e-p{se}-g{se}-os{se}"
 
 

@@ -83,8 +83,13 @@ def moe_sweep(world: int, rpn: int, ep: int) -> list[str]:
                    for e in enumerate_plans(e_world, e_rpn)]
 
 
-def hsdp_sizes(arg: str, world: int, ep: int) -> tuple[int, int | None]:
-    """'4/2' -> (4, 2); '4' -> (4, None), or with experts torchtitan's coupling (4, 4 / ep)."""
+def fsdp_sizes(key: str, world: int, ep: int) -> tuple[int, int | None]:
+    """An FSDP2 key's shard-group sizes (dense, experts; experts None without ``ep``):
+    zero3 / zero3_keep (world, world / ep); 'hsdp:4/2' (4, 2); 'hsdp:4' (4, None), or with
+    experts torchtitan's coupling (4, 4 / ep)."""
+    head, _, arg = key.partition(":")
+    if head != "hsdp":
+        return world, (world // ep if ep else None)
     s, _, se = arg.partition("/")
     if se:
         return int(s), int(se)
@@ -418,8 +423,7 @@ class Meshes:
         experts, FSDP2's is (dense mesh, expert_meshes)."""
         head, _, arg = key.partition(":")
         if head in ("hsdp", "zero3", "zero3_keep"):
-            s, se = hsdp_sizes(arg, self.world, self.ep) if head == "hsdp" else (
-                self.world, self.world // self.ep if self.ep else None)
+            s, se = fsdp_sizes(key, self.world, self.ep)
             dense = (self.get((self.world,), ("dp",)) if s == self.world else
                      self.get((self.world // s, s), ("replicate", "shard")))
             return (dense, self.expert_meshes(se)) if self.ep else dense

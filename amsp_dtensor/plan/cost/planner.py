@@ -266,6 +266,8 @@ class PlanReport:
     # the pair search's choices, (dense plan, expert plan): the one pair of the whole grid,
     # or each round's of the alternating search beyond it (_choose_pair)
     rounds: list[tuple[str, str]] = field(default_factory=list)
+    # every (dense, expert) pair's estimate where the search costed the whole grid, else []
+    pairs: list[PlanEstimate] = field(default_factory=list)
 
     @property
     def expert_plan(self) -> ResolvedPlan | None:
@@ -816,11 +818,11 @@ def _choose_plan(
             raise ValueError(f"ep={ep}: model {shape.name} has no experts; expert "
                              "parallelism applies to a mixture-of-experts model")
         estimates = [estimate_plan(shape, p, **common) for p in plans]
-        expert_estimates, rounds = [], []
+        expert_estimates, rounds, pairs = [], [], []
     else:
         expert_world = expert_parallel_world(dp_world, dp_per_node, ep)
         shape.expert_units(ep)  # ep must divide the experts
-        estimates, expert_estimates, rounds = _choose_pair(
+        estimates, expert_estimates, rounds, pairs = _choose_pair(
             shape, plans, enumerate_plans(*expert_world), ep, common, rank_by)
     fitting = _rank((e for e in estimates if e.fits), rank_by)
     if not fitting and require_fit:
@@ -870,7 +872,7 @@ def _choose_plan(
                     expert_world_size=expert_world[0] if expert_world is not None else None,
                     context_parallel_degree=cp if cp > 1 else None)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp,
-                      expert_candidates=expert_estimates, rounds=rounds)
+                      expert_candidates=expert_estimates, rounds=rounds, pairs=pairs)
 
 
 # [Note: every plan pair, or alternating]
@@ -893,22 +895,22 @@ MAX_PAIR_ROUNDS = 4
 
 
 def _choose_pair(shape: ModelShape, plans: list, expert_plans: list, ep: int, common: dict,
-                 rank_by: str) -> tuple[list, list, list]:
+                 rank_by: str) -> tuple[list, list, list, list]:
     """(dense plan, expert plan) for a model with experts: the fastest fitting pair of
     all (see [Note: every plan pair, or alternating]), or, beyond PAIR_GRID_LIMIT pairs,
     _alternate's. Returns every dense plan's estimate with the chosen expert plan, every
-    expert plan's with the chosen dense plan, and the search's choices ((dense, expert)
-    names: the one pair of the whole grid, or each alternating round's)."""
+    expert plan's with the chosen dense plan (fitting first, fastest first), the search's
+    choices ((dense, expert) names: the one pair of the whole grid, or each alternating
+    round's) and every pair's estimate (the grid; [] when alternating)."""
     if len(plans) * len(expert_plans) > PAIR_GRID_LIMIT:
-        return _alternate(shape, plans, expert_plans, ep, common, rank_by)
+        return (*_alternate(shape, plans, expert_plans, ep, common, rank_by), [])
     grid = {(p.name, q.name): estimate_plan(shape, p, expert_plan=q, ep=ep, **common)
             for p in plans for q in expert_plans}
     best = _best(list(grid.values()), rank_by)
     dense = [grid[(p.name, best.expert_plan.name)] for p in plans]
     experts = [grid[(best.plan.name, q.name)] for q in expert_plans]
-    ranked = _rank((e for e in experts if e.fits), rank_by)
-    ranked += sorted((e for e in experts if not e.fits), key=lambda e: e.memory.total)
-    return dense, ranked, [(best.plan.name, best.expert_plan.name)]
+    return (dense, _fitting_first(experts, rank_by), [(best.plan.name, best.expert_plan.name)],
+            list(grid.values()))
 
 
 def _alternate(shape: ModelShape, plans: list, expert_plans: list, ep: int, common: dict,
@@ -937,9 +939,13 @@ def _alternate(shape: ModelShape, plans: list, expert_plans: list, ep: int, comm
         experts = [estimate_plan(shape, pick.plan, expert_plan=q, ep=ep, **common)
                    for q in expert_plans]
         rounds.append((pick.plan.name, expert.name))
-    ranked = _rank((e for e in experts if e.fits), rank_by)
-    ranked += sorted((e for e in experts if not e.fits), key=lambda e: e.memory.total)
-    return dense, ranked, rounds
+    return dense, _fitting_first(experts, rank_by), rounds
+
+
+def _fitting_first(estimates: list, rank_by: str) -> list:
+    """The fitting estimates ranked (fastest first), then the others, smallest first."""
+    return (_rank((e for e in estimates if e.fits), rank_by)
+            + sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total))
 
 
 def _best(estimates: list, rank_by: str):
