@@ -185,8 +185,8 @@ def worker_run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "tools.cluster", "run", "--no-netns", "--nodes", "2",
          "--ranks-per-node", "2", "--timeout", "500", "--", "-m", "tools.bench_worker",
-         "--flavor", "moe", "--runs", runs, "--reps", "1", "--warmup", "1",
-         "--warmup-micro-batches", "2", "--steps", "2", "--out", str(out)],
+         "--flavor", "moe", "--runs", runs, "--reps", "1", "--warmup", "2",
+         "--warmup-micro-batches", "2", "--steps", "1", "--out", str(out)],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -253,3 +253,44 @@ def test_host_bench_runs_fsdp2_with_ep_and_amsp_at_its_layout(tmp_path):
          "2", "--blocks", "2", "--modes", "eager", "--ep", "2", "--configs", "amsp:pW-gW-osW"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad.returncode != 0 and "names an expert plan" in bad.stderr
+
+
+def test_the_planner_bounds_both_pairs_measured_peak(worker_run):
+    """The memory model against the sampler (tools/bench_memory.py: the largest per-op
+    sample of any rank above the bytes in use before the build): each AMSP pair's estimate
+    is at or above its measured peak by less than one EP-local expert unit (8 experts x 3
+    matrices of 256 x 256, fp32: 6.29 MB). p2-g2-os4+e-p1-g1-os2's experts sync with s_g = s_p
+    < s_os (the reduce-scatter over "os" packs and receives beside the hook's input);
+    p4-g4-os4+e-p2-g2-os2's are gathered once beside the block's dense unit."""
+    import argparse
+
+    from tools import bench as B
+
+    unit = 8 * 3 * 256 * 256 * 4
+    args = argparse.Namespace(flavor="moe", ep=None, seq=64, micro_batch=1, micro_batches=4)
+    link = B.AlphaBeta(intra_bw=1e9, inter_bw=62.5e6)
+    est = B.estimates_of(args, 4, 2, B.planner_choice(args, 4, 2, 2.0 ** 60, link)[1])
+    for r in worker_run["results"]:
+        if r["config"].startswith("amsp:"):
+            peak, want = max(r["peak_bytes_per_rank"]), est[r["config"][5:]]
+            assert 0 <= want - peak < unit, (r["config"], peak / MB, want / MB)
+
+
+def test_the_recorder_splits_amsps_exposed_time_by_mesh_dim(worker_run):
+    """The worker keeps, per rank, the seconds the timed step was blocked in each mesh
+    dim's collectives (the report's breakdown where AMSP falls short): they add up to the
+    step's total, and name the expert mesh's dims beside the dense ones."""
+    for r in worker_run["results"]:
+        if not r["config"].startswith("amsp:"):
+            assert r["waited_s_per_rank"] == [None] * 4
+            continue
+        for w in r["waited_s_per_rank"]:
+            assert sum(s for s, _ in w["by_dim"].values()) == pytest.approx(w["in_step"])
+    # p2-g2-os4: the dense gathers inside a node, its OS sync across; the experts' p1-g1-os2
+    # syncs across the two expert ranks (one a node). p4-g4-os4 gathers across nodes
+    # (4 ranks), its experts' p2 too. Only what the plan pairs issue appears.
+    rows = {row["key"]: row for row in R.summarize(worker_run)}
+    want = {"amsp:p2-g2-os4+e-p1-g1-os2": {"p": False, "os": True, "expert_os": True},
+            "amsp:p4-g4-os4+e-p2-g2-os2": {"p": True, "expert_p": True}}
+    for key, dims in want.items():
+        assert {d: inter for d, (_, inter) in rows[key]["exposed"].items()} == dims

@@ -78,6 +78,21 @@ def _maxed(per_rank, part):
     return max(vals) if vals else None
 
 
+def _exposed(per_rank) -> dict[str, tuple[float, bool]] | None:
+    """{mesh dim: (the slowest rank's seconds blocked in that dim's collectives in the
+    timed step, whether they cross nodes)} from the worker's ``by_dim``; None before it
+    was recorded."""
+    dims = [w["by_dim"] for w in per_rank or [] if w and "by_dim" in w]
+    if not dims:
+        return None
+    out: dict[str, tuple[float, bool]] = {}
+    for by in dims:
+        for dim, (seconds, inter) in by.items():
+            was = out.get(dim, (0.0, False))
+            out[dim] = (max(was[0], seconds), was[1] or inter)
+    return out
+
+
 def _table(head: str, rows: list[str]) -> str:
     """A markdown table: its header line, the rule under it, then ``rows``."""
     return "\n".join([head, "|" + "---|" * (head.count("|") - 1), *rows])
@@ -114,6 +129,7 @@ def summarize(data: dict) -> list[dict]:
             "losses": first["losses"],
             "waited": _maxed(first.get("waited_s_per_rank"), "in_step"),
             "waited_after": _maxed(first.get("waited_s_per_rank"), "after_step"),
+            "exposed": _exposed(first.get("waited_s_per_rank")),
         })
     return rows
 
@@ -376,6 +392,36 @@ def moe_targets(rows: list[dict], fr: list[dict], prows: list[dict], meta: dict)
     return lines
 
 
+def short_table(fr: list[dict]) -> str | None:
+    """Where AMSP's best stays under MOE_WIN against the best baseline: per AMSP
+    configuration (the caps it is best at), its step and the seconds the slowest rank was
+    blocked in each mesh dim's collectives (the recorder's, bench_worker.exposed_by_dim;
+    x: across nodes), the rest being compute, EP's all-to-alls and host time. None where
+    nothing falls short or no row has the breakdown."""
+    short: dict[str, list[dict]] = {}
+    for f in fr:
+        if f["ratio"] is not None and f["baseline"] is not None and f["ratio"] < MOE_WIN:
+            short.setdefault(f["amsp"]["key"], []).append(f)
+    lines = []
+    for caps in short.values():
+        r = caps[0]["amsp"]
+        if not r.get("exposed"):
+            continue
+        dims = sorted(r["exposed"].items(), key=lambda kv: -kv[1][0])
+        exposed = sum(sec for sec, _ in r["exposed"].values())
+        ratios = [f["ratio"] for f in caps]
+        at = ", ".join(f"{f['cap'] / MB:.1f}" for f in caps)
+        lines.append(
+            f"| {r['label']} | {at} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x | {r['step_s']:.3f} | "
+            + ", ".join(f"{d}{' (x)' if inter else ''} {sec:.3f}" for d, (sec, inter) in dims)
+            + f" | {r['step_s'] - exposed:.3f} |")
+    if not lines:
+        return None
+    return _table("| AMSP's best | at caps MB | / best baseline | step s | exposed s by mesh "
+                  "dim, (x) across nodes | rest s (compute, EP all-to-alls, host) |", lines)
+
+
 def targets(rows: list[dict], fr: list[dict], prows: list[dict], loss: dict) -> list[str]:
     lines = []
     with_base = [f for f in fr if f["baseline"] is not None]
@@ -499,6 +545,10 @@ def section(data: dict, command: str, png_name: str) -> str:
     parts += [f"- {line}" for line in targets(rows, fr, vrows[0], loss)]
     if moe:
         parts += [f"- {line}" for line in moe_targets(rows, fr, vrows[0], meta)]
+        short = short_table(fr)
+        if short:
+            parts += ["", f"Where AMSP's best stays under {MOE_WIN}x, which part of its "
+                      "step takes the time (the recorded step of repetition 0):", "", short]
     for v, vr in list(zip(variants, vrows))[1:]:
         good, total = planner_share(vr)
         parts.append(f"- The planner with {v['name']} ({v['desc']}): {good} of {total} caps "

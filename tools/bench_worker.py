@@ -35,9 +35,24 @@ class Result:
     peak_bytes_per_rank: list[int]    # tools/bench_memory, above the in-use bytes before the build
     state_bytes_per_rank: list[dict | None]     # P/G/OS bytes held (rep 0)
     reported_bytes_per_rank: list[dict | None]  # what the system itself reports (peers)
-    waited_s_per_rank: list[dict | None]        # AMSP: time blocked in collectives
+    # AMSP: time blocked in collectives, in the timed step and after it (the post-step
+    # all-gathers' wait), and the step's by mesh dim (exposed_by_dim)
+    waited_s_per_rank: list[dict | None]
     comm: dict | None = None          # the recorded step's collectives (rep 0, real)
     wall_s: float = 0.0
+
+
+def exposed_by_dim(events) -> dict[str, list]:
+    """{mesh dim label: [seconds the step was blocked in its collectives, whether they
+    cross nodes]} of the recorder's events (recorder.CommEvent.blocked_seconds: FSDP2's
+    all-gathers and reduce-scatters and the engine's own; EP's all-to-alls are the model's
+    and untimed)."""
+    out: dict[str, list] = {}
+    for e in events:
+        slot = out.setdefault(e.dim, [0.0, False])
+        slot[0] += e.blocked_seconds
+        slot[1] = slot[1] or e.inter_node
+    return out
 
 
 def comma_list(spec: str) -> list[str]:
@@ -173,7 +188,8 @@ class Worker:
                     rec_cm.__exit__(None, None, None)
                     blocked = [getattr(e, "blocked_seconds", 0.0) for e in rec.events]
                     waited = {"in_step": sum(blocked[:n_in_step]),
-                              "after_step": sum(blocked[n_in_step:])}
+                              "after_step": sum(blocked[n_in_step:]),
+                              "by_dim": exposed_by_dim(rec.events[:n_in_step])}
                 if record and last:
                     comm = {"counted": self.counter.bytes_by_locality()}
                     if rec:

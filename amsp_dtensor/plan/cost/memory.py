@@ -698,16 +698,30 @@ def estimate_memory(
 
 def expert_temp_bytes(model: ModelShape, plan: ResolvedPlan, ep: int, e: int, r: int,
                       shard_dim: int = 0) -> int:
-    """What one MoE block's experts add to the backward's temporary buffers, an upper
-    bound beside the dense units' peak: with s_p > 1 the unit in compute and the
-    prefetched one gathered (2*e*P_u), then its unsharded grads as they are produced and
-    the engine's hook input (FSDP2's reduce-scatter output, or the flat copy with s_p =
-    1) with, when s_g > s_p, the packed copy and output of the reduce-scatter over "g"."""
+    """What one MoE block's experts add to the backward's temporary buffers, beside the
+    dense units' peak (temp_bytes), by [Note: the experts' backward buffers]."""
     units = model.expert_units(ep, shard_dim)
     if not units:
         return 0
     unit = units[0]
     sizes = unit_sizes(unit, plan)
-    gathered = 2 * e * padded_numel(unit, plan.s_p) if plan.s_p > 1 else 0
+    numel = padded_numel(unit, plan.s_p)
+    gathered = e * numel if plan.s_p > 1 else 0
     held = r * sizes.p + (r * (sizes.g_packed + sizes.g) if plan.s_g > plan.s_p else 0)
-    return gathered + e * padded_numel(unit, plan.s_p) + held
+    sync = r * (sizes.os_packed + sizes.os) if plan.s_g == plan.s_p < plan.s_os else 0
+    return gathered + e * numel + held + sync
+
+
+# [Note: the experts' backward buffers] A MoE block's routed experts are a unit of their
+# own, inside the block's unit, so their backward runs while the block's dense unit is
+# gathered: the dense units' peak (temp_bytes: two blocks gathered, the one in compute
+# and the prefetched one) already holds what is gathered beside them, and the experts add
+# their own gathered params once (s_p > 1), their unsharded grads as they are produced,
+# the hook input (FSDP2's reduce-scatter output, or the flat copy with s_p = 1) with,
+# when s_g > s_p, the packed copy and output of the reduce-scatter over "g", and, in the
+# syncing backward with s_g = s_p < s_os, the packed send buffer and output of the
+# reduce-scatter over "os" (moment 2 of [Note: the backward's peak moments]).
+# Measured on the emulated MoE benchmark at 2x2 (tools/bench_frontier.py --flavor moe,
+# 36 plan pairs, every expert plan against nine dense ones): counting the gathered
+# experts twice overstated p2-g2-os2's peak by a median 5.4 MB (one expert unit, 6.3 MB),
+# and leaving out the syncing buffers understated p1-g1-os2's by 6.0 MB.
