@@ -121,14 +121,24 @@ def check_exchange(ranks: list[dict], plan, world: int, per_node: int, shapes) -
     """Two all-to-alls over the shard group per step (none at s_os = 1): the first sends
     each rank's rows of every Muon matrix, the second the owners' whole results, which
     add up to every matrix once per shard group; 2 bytes (bfloat16) an element. Rank 0's
-    are the cost model's (plan/cost/muon.py), key for key."""
+    are the planner's (choose_plan(optimizer="muon") on the tiny model: the step's
+    all-to-alls of its estimate of this plan), key for key."""
     from amsp_dtensor.plan import ShardingPlan
     from amsp_dtensor.plan.cost.comm import event_counter
-    from amsp_dtensor.plan.cost.muon import predicted_muon_events
+    from amsp_dtensor.plan.cost.models import ModelShape
+    from amsp_dtensor.plan.cost.planner import choose_plan
+    from amsp_dtensor.testing.tiny_llama import TinyLlamaConfig
 
     s_os = plan[2]
-    predicted = predicted_muon_events(ShardingPlan(*plan), shapes, world_size=world,
-                                      ranks_per_node=per_node)
+    cfg = TinyLlamaConfig()
+    tiny = ModelShape("tiny", cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.ffn_dim)
+    report = choose_plan(tiny, seq_len=cfg.max_seq_len, micro_batch=1, micro_batches=1,
+                         world_size=world, ranks_per_node=per_node,
+                         memory_budget_bytes=float("inf"), optimizer="muon",
+                         include_baselines=False)
+    name = ShardingPlan(*plan).resolve(world, per_node).name
+    estimate = next(c for c in report.candidates if c.plan.name == name)
+    predicted = [e for e in estimate.events if e.op == "all_to_all" and e.phase == "step"]
     assert Counter(ranks[0]["events"]) == event_counter(predicted)
     if s_os == 1:
         assert all(rank["events"] == [] for rank in ranks)

@@ -34,6 +34,7 @@ from amsp_dtensor.plan.cost.planner import (
     PAIR_GRID_LIMIT,
     MAX_AUTO_TP,
     NoPlanFits,
+    OPTIMIZERS,
     PlanEstimate,
     PlanReport,
     choose_plan,
@@ -144,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"amsp.set_compression does (CODEC: {', '.join(CODECS)}); plans are ranked "
                    "with it and the chosen plan's cross-node bytes are shown exact vs "
                    "compressed (default none)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw; or muon: torch.optim.Muon on every block matrix, AdamW on "
+                   "the rest (AMSPOptimizer's Muon: each matrix orthogonalized by one owner "
+                   "of the shard group); dense models, no --tp")
     p.add_argument("--bandwidth", help="bandwidth table JSON from python -m amsp_dtensor.plan.profile "
                    "(used where it has data; NCCL's model elsewhere)")
     p.add_argument("--top", type=int, default=8, help="plans to list (default 8)")
@@ -285,12 +290,28 @@ def render(report: PlanReport, top: int) -> str:
         *([f"TP's own collectives (activations, per layer) take "
            f"{best.tp_comm_seconds * 1e3:.1f} ms of the chosen step,",
            "on the critical path (in step, not in comm sum)."] if report.tp > 1 else []),
+        *(_muon_lines(best) if best.muon is not None else []),
         f"chosen: {best.pair_name}, {best.memory.total / GiB:.2f} GiB/GPU, "
         f"{best.step_seconds * 1e3:.1f} ms/step, MFU {best.step.mfu * 100:.1f}%. For the job TOML:",
         "",
         report.to_toml().rstrip(),
     ]
     return "\n".join(lines)
+
+
+def _muon_lines(best: PlanEstimate) -> list[str]:
+    """Muon's part of the chosen plan's step: the owners' Newton-Schulz balance and the
+    exchange (cost/muon.py)."""
+    m = best.muon
+    flops, n = m.member_flops, len(m.member_flops)
+    up, down = m.balance()
+    sent = sum(e.nbytes for e in m.events)
+    return [f"Muon: Newton-Schulz per rank of {best.plan.name}'s shard groups ({n} OS ranks "
+            "own the matrices),",
+            f"TFLOP per step: max {max(flops) / 1e12:.2f}, mean {sum(flops) / n / 1e12:.2f}, "
+            f"min {min(flops) / 1e12:.2f} ({up:+.1%} / {down:+.1%} of the mean); the owner "
+            f"exchange: 2 all-to-alls,",
+            f"{sent / 1e9:.3f} GB buffer per GPU (in the plan's traffic and step)."]
 
 
 def _expert_row(e: PlanEstimate, mark: str = " ") -> str:
@@ -495,6 +516,10 @@ def main(argv=None) -> int:
                 expert_parallel_world(args.gpus, args.gpus_per_node, args.ep or 1)
             except ValueError as exc:
                 raise UsageError(f"--ep {args.ep or 1}: {exc}") from None
+        if args.optimizer == "muon" and (args.tp != 1 or model.experts is not None):
+            raise UsageError(f"--optimizer muon with " + (f"--tp {args.tp}" if args.tp != 1
+                             else f"{model.name}'s experts") + ": AMSP runs Muon on a dense "
+                             "model without TP; use --optimizer adamw there")
         if args.cp < 1:
             raise UsageError(f"--cp must be positive, got {args.cp}")
         if args.cp > 1 and (model.experts is not None or args.tp == "auto"):
@@ -519,7 +544,7 @@ def main(argv=None) -> int:
             compute=ComputeModel(compute_flops=args.tflops * 1e12,
                                  peak_flops=args.peak_tflops * 1e12),
             overlap_param_update=args.overlap_param_update, cluster=cluster,
-            ep=args.ep or 1, cp=args.cp,
+            ep=args.ep or 1, cp=args.cp, optimizer=args.optimizer,
         )
         report = choose_plan(**plan_args, compression=args.compress)
         rows = []

@@ -57,6 +57,7 @@ them are alive at once: ``temp_bytes`` takes the largest of the backward's peak 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..sharding_plan import ResolvedPlan
 from .backward_peak import synced_grad_elements, unit_sizes
@@ -64,6 +65,9 @@ from .comm import dim_group, error_feedback_elements
 from ..compression import Compression, codec_applies
 from .models import ModelShape, tp_chunk
 from .padding import dim0_cols, padded_numel, shard_numel
+
+if TYPE_CHECKING:
+    from .muon import MuonStep
 
 __all__ = [
     "StateBytes",
@@ -495,7 +499,7 @@ def step_bytes(
     model: ModelShape, plan: ResolvedPlan, mixed_precision: str = "bf16",
     reduce_dtype: str | None = None, clip: bool = False, backend: str = "nccl",
     tp: int = 1, expert_plan: ResolvedPlan | None = None, ep: int = 1,
-    expert_shard_dim: int = 0,
+    expert_shard_dim: int = 0, optimizer_scratch: int = 0,
 ) -> StepBytes:
     """What one rank holds beyond P and OS at the peak of the optimizer step.
 
@@ -517,7 +521,10 @@ def step_bytes(
     slot elements as in backward_peak.unit_sizes. backend "gloo" adds its staging
     buffers (Note above). ``clip`` is kept for callers: the bound already covers it.
     With ``expert_plan`` the experts' units (EP-local, ``ep``) join, each unit with its
-    own group's factors (one optimizer steps both groups)."""
+    own group's factors (one optimizer steps both groups). optimizer_scratch: what a
+    whole-matrix optimizer's step allocates beyond that (Muon: cost/muon.py's [Note:
+    Muon's step buffers]); it steps after every master grad is built, so it joins the
+    one-call-over-every-unit moment."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
     e = _dtype_bytes(mixed_precision)
@@ -530,7 +537,8 @@ def step_bytes(
     synced_g = r * sum(synced_grad_elements(s, p) for s, p in units)
     outputs = [e * (p.s_os // p.s_p) * s.os for s, p in units if p.s_os > p.s_p]
     gather = sum(e * s.os for s, p in units if p.s_os > p.s_p) + sum(outputs)
-    held = max(gather, 8 * sum(s.os for s, _ in units))  # Note above: one call over every unit
+    # Note above: one call over every unit (with a whole-matrix optimizer's buffers)
+    held = max(gather, 8 * sum(s.os for s, _ in units) + optimizer_scratch)
     staging = 0
     if backend == "gloo":
         staging = sum(sorted(outputs, reverse=True)[:GLOO_WORKER_THREADS])
@@ -644,7 +652,7 @@ def estimate_memory(
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1,
+    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1, muon: "MuonStep | None" = None,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
@@ -665,7 +673,10 @@ def estimate_memory(
     ``compression`` field holds its persistent buffers (compression_bytes), counted in
     both phases. cp: the context-parallel degree: the plan is over the data-parallel world
     with the cp ranks in it (states as without cp), each rank holds seq_len / cp tokens of
-    a sequence and K/V of the whole one (block_activation_bytes)."""
+    a sequence and K/V of the whole one (block_activation_bytes). muon: the plan's
+    cost/muon.py MuonStep when Muon steps the block matrices (AdamW the rest): one fp32
+    momentum in place of two moments on its rows, and its step buffers beside the step's
+    own."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     states = state_bytes(model.unit_param_shapes(tp), plan.s_p, plan.s_g, plan.s_os, e,
@@ -676,7 +687,10 @@ def estimate_memory(
                      activation_checkpointing, attention, norm, reshard_after_forward,
                      reduce_dtype, tp, loss_parallel, cp)
     step = step_bytes(model, plan, mixed_precision, reduce_dtype, clip, backend, tp,
-                      expert_plan, ep, expert_shard_dim)
+                      expert_plan, ep, expert_shard_dim,
+                      muon.scratch_bytes if muon is not None else 0)
+    if muon is not None:
+        states = StateBytes(states.param, states.grad, states.optim - muon.os_bytes_saved)
     comp = None
     if compression is not None and compression.enabled:
         comp = compression_bytes(model.unit_param_shapes(tp), plan, compression, e, r)

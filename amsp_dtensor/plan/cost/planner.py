@@ -62,6 +62,7 @@ from .memory import (
     estimate_memory,
 )
 from .models import ModelShape, from_torchtitan_args, get_model
+from .muon import MuonStep, muon_step
 from .nccl import NcclModel, node_nic_bytes, wire_bytes
 from .padding import shard_numel
 from .pipeline import Pipeline, stage_model, with_p_gathers
@@ -146,6 +147,7 @@ class PlanEstimate:
     # degree (memory, events and step are then of both groups and EP's all-to-alls)
     expert_plan: ResolvedPlan | None = None
     ep: int = 1
+    muon: MuonStep | None = None  # Muon's part of the step (optimizer="muon")
 
     @property
     def pair_name(self) -> str:
@@ -247,6 +249,12 @@ class PlanEstimate:
                              "optim": self.expert_plan.s_os, "name": self.expert_plan.name}),
             "expert_parallel_degree": self.ep,
             "bytes_by_group": self.group_bytes() if self.expert_plan is not None else None,
+            # optimizer="muon": each OS rank's Newton-Schulz FLOPs per step, and the
+            # bytes its step buffers and its one momentum (saved against AdamW's two) take
+            "muon": None if self.muon is None else {
+                "newton_schulz_flops_per_rank": self.muon.member_flops,
+                "step_scratch_bytes": self.muon.scratch_bytes,
+                "optim_bytes_saved": self.muon.os_bytes_saved},
         }
 
 
@@ -390,7 +398,7 @@ def estimate_plan(
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
     p_gathers: tuple[int, int] | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1,
+    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1, optimizer: str = "adamw",
 ) -> PlanEstimate:
     """Memory, step communication and step time of one plan. tp > 1: `plan` is the
     data-parallel plan (resolved with tensor_parallel_degree=tp), every state and DP
@@ -408,7 +416,10 @@ def estimate_plan(
     cp: the context-parallel degree (docs/context_parallel.md): ``plan`` is over the
     data-parallel world with the cp ranks in it; each rank computes and holds seq_len / cp
     tokens of a sequence, and CP's K/V exchange (predicted_cp_events) joins the step on
-    the critical path of every block."""
+    the critical path of every block. optimizer: "adamw" (AdamW on every parameter) or
+    "muon" (torch's Muon on every block matrix, AdamW on the rest: cost/muon.py)."""
+    _check_optimizer(optimizer, tp=tp, experts=expert_plan is not None,
+                     pipeline=pipeline is not None)
     if compression is not None and not compression.enabled:
         compression = None
     if cp != 1 and (pipeline is not None or expert_plan is not None):
@@ -429,13 +440,14 @@ def estimate_plan(
             label=label, norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
             compute=compute, overlap_param_update=overlap_param_update, backend=backend,
             tp=tp, loss_parallel=loss_parallel, compression=compression)
+    muon = muon_step(model, plan) if optimizer == "muon" else None
     mem = estimate_memory(model, plan, seq_len, micro_batch, mixed_precision,
                           activation_checkpointing, attention, norm=norm,
                           reshard_after_forward=reshard_after_forward,
                           reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                           clip=clip, backend=backend, tp=tp, loss_parallel=loss_parallel,
                           compression=compression, expert_plan=expert_plan, ep=ep,
-                          expert_shard_dim=expert_shard_dim, cp=cp)
+                          expert_shard_dim=expert_shard_dim, cp=cp, muon=muon)
     shapes = model.unit_param_shapes(tp)
     event_args = dict(reshard_after_forward=reshard_after_forward, clip=clip,
                       reduce_dtype_bytes=DTYPE_BYTES[reduce_dtype] if reduce_dtype else None)
@@ -455,12 +467,16 @@ def estimate_plan(
                                     DTYPE_BYTES[mixed_precision],
                                     recompute=activation_checkpointing == "full")
     events += cp_events
+    if muon is not None:
+        events += muon.events
     exact_bytes = None
     if compression is not None:
         exact = predicted_events(plan, shapes, micro_batches, DTYPE_BYTES[mixed_precision],
                                  model.root_unit_index, **event_args)
         exact += _expert_events(**expert_args)
         exact += cp_events
+        if muon is not None:
+            exact += muon.events
         exact_bytes = bytes_by_locality(exact)
         exact_bytes["wire_inter"] = sum(e.count * wire_bytes(e.op, e.nbytes, e.group_size)
                                         for e in exact if e.inter_node)
@@ -477,7 +493,8 @@ def estimate_plan(
                    activation_checkpointing=activation_checkpointing,
                    overlap_param_update=overlap_param_update, tp=tp,
                    tp_seconds=tp_seconds_per_micro_batch(tp_comms, time_model, micro_batches),
-                   p_gathers=p_gathers, cp=cp)
+                   p_gathers=p_gathers, cp=cp,
+                   step_flops=muon.busiest_flops if muon is not None else 0.0)
     return PlanEstimate(
         label=label or plan.name,
         plan=plan,
@@ -494,7 +511,22 @@ def estimate_plan(
         exact_bytes=exact_bytes,
         expert_plan=expert_plan,
         ep=ep,
+        muon=muon,
     )
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _check_optimizer(optimizer: str, *, tp: int, experts: bool, pipeline: bool) -> None:
+    """The optimizers the cost model prices, where the engine runs them."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; use one of {OPTIMIZERS}")
+    if optimizer == "muon" and (tp != 1 or experts or pipeline):
+        what = "tensor parallelism" if tp != 1 else "experts" if experts else "a pipeline"
+        raise ValueError(f"optimizer='muon' with {what}: AMSP runs Muon on a dense model's "
+                         "data-parallel plans only (no TP, expert or pipeline meshes yet); "
+                         "use optimizer='adamw' there")
 
 
 def _expert_events(*, model: ModelShape, plan: ResolvedPlan, expert_plan, ep: int,
@@ -620,7 +652,7 @@ def choose_plan(
     rank_by: str = "step", backend: str = "nccl", tp: Union[int, str] = 1,
     global_batch_tokens: int | None = None, loss_parallel: bool = True,
     compression: Compression | None = None, pipeline: Pipeline | None = None,
-    ep: int = 1, cp: int = 1,
+    ep: int = 1, cp: int = 1, optimizer: str = "adamw",
 ) -> PlanReport:
     """Rank every valid plan for the world by predicted step time among those fitting.
 
@@ -665,6 +697,10 @@ def choose_plan(
       group sits in a node or spans whole nodes), each computes seq_len / cp tokens of a
       sequence, and the batch splits over the data-parallel ranks / cp (micro_batches
       and global_batch_tokens count those); not with a pipeline or experts yet.
+    optimizer: "adamw", or "muon": torch's Muon on every block matrix and AdamW on the
+      rest (AMSPOptimizer's Muon, engine/sharded_muon.py): every plan, and the baselines'
+      schedules, with Muon's owner exchange, its Newton-Schulz on the busiest owner and
+      its states (cost/muon.py); a dense model without TP or a pipeline.
     Raises NoPlanFits (a ValueError) when nothing fits and require_fit.
     Returns a PlanReport: .best (PlanEstimate), .sharding_plan, .tp, .to_toml(), .as_dict().
     """
@@ -677,7 +713,10 @@ def choose_plan(
                 norm=norm, reduce_dtype=reduce_dtype, reserve_bytes=reserve_bytes,
                 compute=compute, overlap_param_update=overlap_param_update, cluster=cluster,
                 rank_by=rank_by, backend=backend, loss_parallel=loss_parallel,
-                compression=_compression(compression), pipeline=pipeline, ep=ep, cp=cp)
+                compression=_compression(compression), pipeline=pipeline, ep=ep, cp=cp,
+                optimizer=optimizer)
+    _check_optimizer(optimizer, tp=tp, experts=shape.experts is not None or ep != 1,
+                     pipeline=pipeline is not None)
     if cp != 1 and (shape.experts is not None or ep != 1 or pipeline is not None):
         raise ValueError(f"cp={cp}: the cost model has no context parallelism beside a "
                          "pipeline or experts yet")
@@ -761,7 +800,7 @@ def _choose_plan(
     cluster: NcclModel | None, rank_by: str, backend: str, tp: int,
     global_batch_tokens: int | None, loss_parallel: bool,
     compression: Compression | None = None, pipeline: Pipeline | None = None, ep: int = 1,
-    cp: int = 1,
+    cp: int = 1, optimizer: str = "adamw",
 ) -> PlanReport:
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
                         ("world_size", world_size), ("ranks_per_node", ranks_per_node)):
@@ -806,7 +845,7 @@ def _choose_plan(
                   reserve_bytes=reserve_bytes, compute=compute,
                   overlap_param_update=overlap_param_update, backend=backend, tp=tp,
                   loss_parallel=loss_parallel, compression=compression, pipeline=pipeline,
-                  cp=cp)
+                  cp=cp, optimizer=optimizer)
     plans = enumerate_plans(world_size, ranks_per_node, tp)
     if pipeline is not None and pipeline.split_backward:
         plans = [p for p in plans if p.s_p == 1]  # split backwards need plain parameters
@@ -870,7 +909,7 @@ def _choose_plan(
                     compression=str(compression) if compression is not None else None,
                     expert_parallel_degree=ep if expert_world is not None else None,
                     expert_world_size=expert_world[0] if expert_world is not None else None,
-                    context_parallel_degree=cp if cp > 1 else None)
+                    context_parallel_degree=cp if cp > 1 else None, optimizer=optimizer)
     return PlanReport(shape, settings, fitting + rest, baselines, tm_name, tp=tp,
                       expert_candidates=expert_estimates, rounds=rounds, pairs=pairs)
 

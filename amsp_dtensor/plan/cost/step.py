@@ -226,7 +226,7 @@ def step_time(
     micro_batch: int, micro_batches: int, os_numel: int, compute: ComputeModel | None = None,
     activation_checkpointing: str = "none", overlap_param_update: bool = False,
     tp: int = 1, tp_seconds: dict | None = None, p_gathers: tuple[int, int] | None = None,
-    cp: int = 1,
+    cp: int = 1, step_flops: float = 0.0,
 ) -> StepTime:
     """Predicted time of one optimizer step on one rank (module docstring).
 
@@ -236,7 +236,10 @@ def step_time(
     p_gathers: (forward, backward) all-gathers of each unit per step when they are not one
     per micro-batch (a pipeline stage keeps its parameters gathered, cost/pipeline.py);
     charged to the first micro-batches. cp: the context-parallel degree (the rank computes
-    seq_len / cp tokens of each sequence; events then hold predicted_cp_events)."""
+    seq_len / cp tokens of each sequence; events then hold predicted_cp_events).
+    step_flops: matmul FLOPs of the optimizer step on this rank (Muon's Newton-Schulz on
+    the busiest owner, cost/muon.py); events not of a unit (unit -1: the clip's
+    all-reduces, Muon's all-to-alls) run before the step's compute."""
     cm = compute or ComputeModel()
     L, M = model.n_layers, int(micro_batches)
     tokens = seq_len * micro_batch // cp
@@ -337,7 +340,7 @@ def step_time(
     # ---- step ----
     t = tl.comm(t, clip + tpc(-1, "step"))  # the clip's all-reduces (over "tp" too)
     tl.tp_busy += tpc(-1, "step")
-    _, t = tl.compute(t, OPTIM_STEP_BYTES * os_numel / cm.hbm_bw)
+    _, t = tl.compute(t, OPTIM_STEP_BYTES * os_numel / cm.hbm_bw + step_flops / cm.compute_flops)
     if not overlap_param_update:
         for u in range(L + 1):
             t = tl.comm(t, ps[u])
