@@ -129,6 +129,29 @@ def test_report_targets_same_schedule_and_section_place():
     assert doc == "# H\n\n" + "\n\n".join([dense, big, sec, slow, overlap]) + "\n"
 
 
+def test_report_says_where_amsps_step_goes_at_caps_under_the_win_target():
+    """The exposed seconds per mesh dim the worker recorded (the slowest rank's per dim)
+    for AMSP's best at each cap under 1.3x; the rest of its step is compute and EP."""
+    data = _moe_data()
+    by_dim = [{"p": [0.2, False], "expert_os": [0.5, True]},
+              {"p": [0.3, False], "expert_os": [0.4, True]}, None, None]
+    for r in data["results"]:
+        if r["config"] == "amsp:p4-g4-os4+e-p2-g2-os2":
+            r["waited_s_per_rank"] = [w and {"in_step": 0.7, "after_step": 0.0, "by_dim": w}
+                                      for w in by_dim]
+    rows = R.summarize(data)
+    fr = R.frontier(rows, R.select_caps(rows))
+    # under 1.3x: 91 MB (p4-g4-os4+e-p2-g2-os2 against zero3, 1.05x) and 300 MB (DDP)
+    table = R.short_table(fr)
+    lines = table.splitlines()
+    assert len(lines) == 3  # header, rule, the one row with a breakdown (p2..os4 has none)
+    assert lines[2] == ("| AMSP p4-g4-os4 / experts p2-g2-os2 | 91.0 | 1.05-1.05x | 3.800 | "
+                        "expert_os (x) 0.500, p 0.300 | 3.000 |"), lines[2]
+    assert "Where AMSP's best stays under 1.3x" in R.section(data, "cmd", "x.png")
+    plain = R.summarize(_moe_data())  # no row recorded a breakdown: no table
+    assert R.short_table(R.frontier(plain, R.select_caps(plain))) is None
+
+
 def test_the_planner_prices_every_pair_and_picks_one():
     import argparse
 
