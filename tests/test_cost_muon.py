@@ -90,3 +90,79 @@ def test_choose_plan_refuses_an_unknown_optimizer_and_muon_beside_tp_or_experts(
         choose_plan(M8B, **JOB, optimizer="muon", tp=2)
     with pytest.raises(ValueError, match="optimizer='muon' with experts"):
         choose_plan("deepseek_v3_16b", **JOB, optimizer="muon", ep=8)
+
+
+# The step's buffers against a measured step: rank 0 of a fake 16-rank job (8 per node,
+# torch's fake process group: the all-to-alls allocate their outputs and move nothing),
+# TinyLlama dim 256, 4 blocks, fp32, Muon on the blocks' matrices and AdamW on the rest;
+# glibc's bytes in use sampled after every op of optimizer.step(), over those before it.
+MEASURED_PLANS = ("p8-g8-os16", "p16-g16-os16", "p1-g1-os1")
+
+
+def _measure_step_peaks() -> dict[str, dict[str, int]]:
+    import gc
+
+    import torch
+
+    from amsp_dtensor import compat
+    from amsp_dtensor.plan import ShardingPlan
+    from amsp_dtensor.plan.cost.memory import step_bytes
+    from amsp_dtensor.plan.cost.models import ModelShape
+    from amsp_dtensor.plan.cost.muon import muon_step
+    from tools import host_bench
+    from tools.bench_memory import PeakMemory
+
+    args = host_bench.parse_args(["--world", "16", "--per-node", "8", "--blocks", "4",
+                                  "--dim", "256", "--seq", "16"])
+    torch.set_num_threads(1)
+    compat.init_fake_process_group(0, args.world)
+    shape = ModelShape("tiny", args.dim, args.blocks, 4, 100, 2 * args.dim, layout="titan")
+    meshes, out = {}, {}
+    for plan in MEASURED_PLANS:
+        bench = host_bench.Bench(f"amsp:{plan}+muon", "eager", args, meshes)
+        for _ in range(2):  # the states and every buffer exist
+            bench.step()
+        bench.loss_fn(bench.model(bench.inputs), bench.targets).backward()
+        gc.collect()
+        mem = PeakMemory()
+        with mem.every_op():
+            bench.optim.step()
+        bench.finish()
+        resolved = ShardingPlan.from_name(plan).resolve(args.world, args.per_node)
+        muon = muon_step(shape, resolved)
+        model = step_bytes(shape, resolved, "fp32", optimizer_scratch=muon.scratch_bytes)
+        plain = step_bytes(shape, resolved, "fp32")
+        out[plan] = {"measured": mem.peak_delta, "model": model.gather + model.scratch,
+                     "without_muon": plain.gather + plain.scratch}
+        del bench
+        gc.collect()
+    return out
+
+
+def test_the_step_buffers_bound_a_measured_muon_step():
+    """The model's bytes beyond the states at the step's peak (the post-step all-gathers'
+    buffers, or the masters and the optimizers' scratch with Muon's step buffers) are at
+    or above the measured step and within 40% of it, and Muon's own buffers are
+    needed for that: without them the model falls below the measurement at every plan."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
+                          timeout=600, cwd=repo, env={**__import__("os").environ,
+                                                      "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peaks = json.loads(proc.stdout.strip().splitlines()[-1])
+    for plan, p in peaks.items():
+        print(f"{plan}: measured {p['measured'] / 1e6:.2f} MB, model {p['model'] / 1e6:.2f} MB "
+              f"({p['without_muon'] / 1e6:.2f} MB without Muon's buffers)")
+        assert p["measured"] <= p["model"] <= 1.4 * p["measured"], (plan, p)
+        assert p["without_muon"] < p["measured"], (plan, p)
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(_measure_step_peaks()))
