@@ -232,6 +232,15 @@ def settle() -> None:
     gc.freeze()
 
 
+def rss_bytes() -> int:
+    """This process's resident set. The sweep's ranks must fit the machine together: at 8
+    ranks, AMSP's configurations each left about 30 MB allocated per rank (glibc's in-use
+    bytes, printed beside it; FSDP2's and DDP's leave none, and AMSP's model and optimizer
+    are collected), and 60 of them filled 24 GB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def wire_by_locality(events) -> dict[str, float]:
     """Bytes this rank sends (ring factor x buffer: a compressed all-reduce records two
     buffers where the exact one records one tensor, so only wire bytes compare)."""
@@ -320,7 +329,8 @@ def main(argv=None) -> int:
             st = sorted(r.step_times)
             print(f"rep {rep} {key + ('@' + mode if mode else ''):>24}: step "
                   f"{st[len(st) // 2]:.3f}s peak {max(r.peak_bytes_per_rank) / 1e6:.1f} MB loss "
-                  f"{r.losses[-1]:.5f} ({r.wall_s:.1f}s, total {time.time() - t_start:.0f}s)",
+                  f"{r.losses[-1]:.5f} ({r.wall_s:.1f}s, total {time.time() - t_start:.0f}s, "
+                  f"rank 0 RSS {rss_bytes() / 1e9:.2f} GB, in use {bench_memory.in_use_bytes() / 1e9:.2f} GB)",
                   flush=True)
             write(done=False)
     if w.rank == 0:
