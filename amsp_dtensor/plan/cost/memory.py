@@ -57,7 +57,6 @@ them are alive at once: ``temp_bytes`` takes the largest of the backward's peak 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from ..sharding_plan import ResolvedPlan
 from .backward_peak import synced_grad_elements, unit_sizes
@@ -65,9 +64,6 @@ from .comm import dim_group, error_feedback_elements
 from ..compression import Compression, codec_applies
 from .models import ModelShape, tp_chunk
 from .padding import dim0_cols, padded_numel, shard_numel
-
-if TYPE_CHECKING:
-    from .muon import MuonStep
 
 __all__ = [
     "StateBytes",
@@ -652,7 +648,7 @@ def estimate_memory(
     reduce_dtype: str | None = None, reserve_bytes: int = 0, clip: bool = False,
     backend: str = "nccl", tp: int = 1, loss_parallel: bool = True,
     compression: Compression | None = None, expert_plan: ResolvedPlan | None = None,
-    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1, muon: "MuonStep | None" = None,
+    ep: int = 1, expert_shard_dim: int = 0, cp: int = 1, muon=None,
 ) -> MemoryEstimate:
     """max(D_states + D_activation + D_tmp, the optimizer step's peak) (+ a fixed reserve)
     for one rank.
@@ -674,9 +670,9 @@ def estimate_memory(
     both phases. cp: the context-parallel degree: the plan is over the data-parallel world
     with the cp ranks in it (states as without cp), each rank holds seq_len / cp tokens of
     a sequence and K/V of the whole one (block_activation_bytes). muon: the plan's
-    cost/muon.py MuonStep when Muon steps the block matrices (AdamW the rest): one fp32
-    momentum in place of two moments on its rows, and its step buffers beside the step's
-    own."""
+    MuonStep (cost/muon.py, which imports this module) when Muon steps the block
+    matrices (AdamW the rest): one fp32 momentum in place of two moments on its rows, and
+    its step buffers beside the step's own."""
     e = _dtype_bytes(mixed_precision)
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     states = state_bytes(model.unit_param_shapes(tp), plan.s_p, plan.s_g, plan.s_os, e,
