@@ -379,3 +379,69 @@ def _names_defined_in_the_package() -> frozenset[str]:
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
     return frozenset(names)
+
+
+def _hooked_owner(register) -> "weakref.ref":
+    """A param whose post-accumulate-grad hook reaches an owner that holds the param (the
+    cycle an s_p = 1 unit makes), registered by ``register``; a weak reference to the owner."""
+    import weakref
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.param = nn.Parameter(torch.ones(3))
+    owner.calls = []
+    register(owner)
+    owner.param.square().sum().backward()
+    assert owner.calls == [6.0]  # the hook ran, with the param's grad
+    return weakref.ref(owner)
+
+
+def test_post_accumulate_grad_hooks_held_weakly_free_their_owner():
+    """[Note: post-accumulate-grad hooks and the garbage collector]: a hook closing over its
+    owner keeps the cycle alive through gc.collect() on this torch; compat's hook, holding
+    the owner weakly, lets it go."""
+    import gc
+
+    def plain(owner):
+        owner.param.register_post_accumulate_grad_hook(
+            lambda p: owner.calls.append(p.grad.sum().item()))
+
+    def weak(owner):
+        compat.register_post_accumulate_grad_hook(
+            owner.param, owner, lambda o, p: o.calls.append(p.grad.sum().item()))
+
+    leaked, freed = _hooked_owner(plain), _hooked_owner(weak)
+    gc.collect()
+    assert leaked() is not None, "torch now collects these cycles: the Note can go"
+    assert freed() is None
+
+
+def test_a_dropped_amsp_model_is_collected(one_rank):
+    """A model sharded with s_p = 1 (its units' grads come through param hooks, the Note
+    above): after a step, dropping the model and its optimizer frees them and every unit."""
+    import gc
+    import weakref
+
+    import amsp_dtensor as amsp
+    from amsp_dtensor.engine.handle import root_state
+
+    def train_and_drop() -> tuple[weakref.ref, weakref.ref, list[weakref.ref]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        mesh = amsp.init_mesh(amsp.ShardingPlan.from_name("p1-g1-os1"), device_type="cpu")
+        amsp.fully_shard(model[0], mesh=mesh)
+        amsp.fully_shard(model, mesh=mesh)
+        optim = amsp.AMSPOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        model(torch.randn(5, 4)).square().sum().backward()
+        optim.step()
+        optim.wait_param_update()
+        units = list(root_state(model).units)
+        assert len(units) == 2
+        return weakref.ref(model), weakref.ref(optim), [weakref.ref(u) for u in units]
+
+    model, optim, units = train_and_drop()
+    gc.collect()
+    assert model() is None and optim() is None
+    assert all(u() is None for u in units)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .. import compat
 from . import streams
 from .handle import root_state
 from .unit import AMSPUnit
@@ -58,35 +59,32 @@ def local_grad(param: torch.Tensor) -> torch.Tensor:
 
 
 def register_param_hooks(unit: AMSPUnit) -> None:
-    """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path."""
-    hook = _param_grad_hook(unit)
+    """s_p = 1: each param's post-accumulate-grad hook feeds the unit's gradient path. The
+    hook holds the unit weakly: [Note: post-accumulate-grad hooks and the garbage collector]
+    in compat.py."""
     for param in unit.params:
-        param.register_post_accumulate_grad_hook(hook)
+        compat.register_post_accumulate_grad_hook(param, unit, _param_grad_hook)
 
 
-def _param_grad_hook(unit: AMSPUnit):
+def _param_grad_hook(unit: AMSPUnit, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook for the s_p = 1 path: flatten the unit's grads (in the
     gradient dtype) once the last of them has arrived (the unit's "bucket" is full)."""
-
-    def hook(param: torch.Tensor) -> None:
-        root = unit.root
-        backward = root.begin_backward()
-        seen = backward.grads_seen.get(id(unit), 0) + 1
-        backward.grads_seen[id(unit)] = seen
-        if seen < len(unit.params):
-            return
-        grads = [local_grad(p) for p in unit.params]
-        compute = streams.current_stream(root.grad_stream)
-        with streams.on_grad_stream(root.grad_stream):
-            flat = torch.cat([g.reshape(-1).to(unit.grad_dtype()) for g in grads])
-            # made on the compute stream: kept until it has waited for the flatten (rule 2)
-            read = streams.Deferred.after_reads(compute, root.grad_stream, grads)
-            for p in unit.params:
-                p.grad = None
-            root.on_unit_grads(unit, flat)
-            root.hold(read)
-
-    return hook
+    root = unit.root
+    backward = root.begin_backward()
+    seen = backward.grads_seen.get(id(unit), 0) + 1
+    backward.grads_seen[id(unit)] = seen
+    if seen < len(unit.params):
+        return
+    grads = [local_grad(p) for p in unit.params]
+    compute = streams.current_stream(root.grad_stream)
+    with streams.on_grad_stream(root.grad_stream):
+        flat = torch.cat([g.reshape(-1).to(unit.grad_dtype()) for g in grads])
+        # made on the compute stream: kept until it has waited for the flatten (rule 2)
+        read = streams.Deferred.after_reads(compute, root.grad_stream, grads)
+        for p in unit.params:
+            p.grad = None
+        root.on_unit_grads(unit, flat)
+        root.hold(read)
 
 
 @contextlib.contextmanager
