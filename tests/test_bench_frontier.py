@@ -309,16 +309,16 @@ def test_possible_picks_are_every_pick_the_planner_makes_at_any_budget():
 
     args = B.parser().parse_args(["frontier"])
     models = B.time_models(2, None, 125e6)
-    assert [name for name, _, _ in models] == ["link"]
+    assert [m.name for m in models] == ["link"]
     picks = B.possible_picks(args, 4, 2, models)
-    _, report = B.planner_choice(args, 4, 2, 2.0 ** 60, models[0][2])
+    _, report = B.planner_choice(args, 4, 2, 2.0 ** 60, models[0].bandwidth)
     estimates = sorted(c.memory.total for c in report.candidates)
     lo, hi, n = 0.9 * estimates[0], 1.1 * estimates[-1], 40
     on_grid = set()
     for i in range(n):
         try:
             on_grid.add("amsp:" + B.planner_choice(args, 4, 2, lo * (hi / lo) ** (i / (n - 1)),
-                                                   models[0][2])[0])
+                                                   models[0].bandwidth)[0])
         except NoPlanFits:
             continue
     assert len(on_grid) >= 3 and picks == on_grid
