@@ -234,9 +234,10 @@ def settle() -> None:
 
 def rss_bytes() -> int:
     """This process's resident set. The sweep's ranks must fit the machine together: at 8
-    ranks, AMSP's configurations each left about 30 MB allocated per rank (glibc's in-use
-    bytes, printed beside it; FSDP2's and DDP's leave none, and AMSP's model and optimizer
-    are collected), and 60 of them filled 24 GB."""
+    ranks, AMSP's configurations once each left about 30 MB allocated per rank (glibc's
+    in-use bytes, printed beside it), and 60 of them filled 24 GB; that was a cycle through
+    a post-accumulate-grad hook, which torch's collector never frees (compat.py, [Note:
+    post-accumulate-grad hooks and the garbage collector])."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
