@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -632,7 +633,8 @@ def queue_end_of_backward_callback(callback) -> None:
 
 # [Note: post-accumulate-grad hooks and the garbage collector] torch's garbage collector
 # does not see a tensor's post-accumulate-grad hooks (the tensor's traversal visits its
-# pre-hooks only; torch 2.11 to 2.15 alike), so a cycle through one is never collected:
+# pre-hooks only; seen on torch 2.13, and tests/test_compat.py fails on a torch that
+# collects them), so a cycle through one is never collected:
 # param -> hook -> the unit it closes over -> param keeps the unit, its buffers, its
 # module and every tensor they reach alive after the model is dropped (about 30 MB per
 # rank per model of the MoE benchmark's size, each configuration of a sweep adding its
@@ -641,8 +643,6 @@ def queue_end_of_backward_callback(callback) -> None:
 def register_post_accumulate_grad_hook(param: torch.Tensor, owner, hook):
     """``param.register_post_accumulate_grad_hook`` of ``hook(owner, param)``, holding
     ``owner`` weakly (see the Note above); a hook whose owner is gone does nothing."""
-    import weakref
-
     ref = weakref.ref(owner)
 
     def call(tensor: torch.Tensor) -> None:
