@@ -324,6 +324,27 @@ def test_possible_picks_are_every_pick_the_planner_makes_at_any_budget():
     assert len(on_grid) >= 3 and picks == on_grid
 
 
+def test_the_planner_with_measured_memory_is_the_planner_when_peaks_are_its_estimates():
+    """measured_memory_picks ranks the plans as choose_plan does: with every plan's
+    "measured" peak equal to its estimate, its pick at each cap is choose_plan's own at
+    that budget (2 nodes x 2 ranks, alpha-beta); a normal error moves some picks, the
+    same ones for the same seed."""
+    from tools import bench as B
+
+    args = B.parser().parse_args(["frontier"])
+    tm = B.time_models(2, None, 125e6)[0]
+    _, report = B.planner_choice(args, 4, 2, 2.0 ** 60, tm.bandwidth)
+    rows = [{"key": f"amsp:{c.plan.name}", "family": "amsp", "peak": float(c.memory.total)}
+            for c in report.candidates]
+    caps = sorted({r["peak"] for r in rows})
+    picks = B.measured_memory_picks(report, rows, caps, tm.rank_by)
+    assert picks == {repr(cap): B._pick(args, 4, 2, cap, tm) for cap in caps}
+    assert len(set(picks.values())) >= 3
+    noisy = B.measured_memory_picks(report, rows, caps, tm.rank_by, sd_mb=0.5, seed=1)
+    assert noisy != picks
+    assert noisy == B.measured_memory_picks(report, rows, caps, tm.rank_by, sd_mb=0.5, seed=1)
+
+
 def _record_samples(mem, what) -> list:
     """Make every sample of ``mem`` also append what() to the returned list."""
     seen = []

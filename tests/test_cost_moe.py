@@ -163,6 +163,34 @@ def test_a_pairs_estimate_is_both_groups_and_eps_all_to_alls():
     assert groups["ep"] == {"intra": sum(t.nbytes * t.count for t in tokens), "inter": 0}
 
 
+def test_the_steps_bound_takes_each_units_worse_moment_over_both_plans():
+    """step_bytes with a dense plan and an expert plan of different all-gather buffers per
+    OS element (c): each unit counts the larger of its share of an optimizer call (8 per
+    element) and its all-gather buffers, by hand. Dense p1-g1-os8 in bf16 holds 2*(1+8) =
+    18 per element after its update; experts p1-g1-os1 gather nothing and hold 8 in a call.
+    The dense all-gathers alive while one call steps the experts is above both moments the
+    bound took with one plan (every all-gather, one call over every unit)."""
+    from amsp_dtensor.plan.cost.backward_peak import unit_sizes
+    from amsp_dtensor.plan.cost.memory import step_bytes
+
+    m = MODELS["deepseek_v3_16b"]
+    ep, world, rpn = 8, 64, 8
+    dense = ShardingPlan(1, 1, 8).resolve(world, rpn)
+    expert = ShardingPlan(1, 1, 1).resolve(*expert_parallel_world(world, rpn, ep))
+    dense_os = sum(unit_sizes(u, dense).os for u in m.unit_param_shapes())
+    expert_os = sum(unit_sizes(u, expert).os for u in m.expert_units(ep))
+    sb = step_bytes(m, dense, "bf16", expert_plan=expert, ep=ep)
+    assert sb.gather == 18 * dense_os  # send buffer + output of k_os = 8, bf16
+    assert sb.gather + sb.scratch == 18 * dense_os + 8 * expert_os
+    assert sb.gather + sb.scratch > max(18 * dense_os, 8 * (dense_os + expert_os))
+    # one plan for both groups: the larger of the two moments, as before
+    same = step_bytes(m, dense, "bf16", expert_plan=ShardingPlan(1, 1, 8).resolve(
+        *expert_parallel_world(world, rpn, ep)), ep=ep)
+    both_os = dense_os + sum(unit_sizes(u, ShardingPlan(1, 1, 8).resolve(
+        *expert_parallel_world(world, rpn, ep))).os for u in m.expert_units(ep))
+    assert same.gather + same.scratch == max(18, 8) * both_os
+
+
 @pytest.mark.parametrize("name,ep", [("deepseek_v3_16b", 8), ("qwen3_30b_a3b", 8),
                                      ("deepseek_v3_671b", 64)])
 def test_the_planner_picks_both_plans(name, ep):

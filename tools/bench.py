@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import json
 import os
+import random
 import shlex
 import statistics
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 from amsp_dtensor.plan.cost import AlphaBeta, choose_plan
 from amsp_dtensor.plan.cost.bandwidth import parse_table
 from amsp_dtensor.plan.cost.models import from_torchtitan_args
-from amsp_dtensor.plan.cost.planner import NoPlanFits
+from amsp_dtensor.plan.cost.planner import NoPlanFits, ranked
 from tools import bench_peers
 from tools import bench_report as R
 from tools import bench_worker as W
@@ -145,6 +146,33 @@ def possible_picks(args, world: int, rpn: int, models: list) -> set[str]:
     return picks
 
 
+# [Note: the planner with measured memory] The frontier's caps are the measured peaks, so
+# the best plan under a cap usually peaks exactly at it, and the planner finds it only if
+# its estimate of that plan is not above the plan's own peak while every faster plan's is
+# above the cap. planner_data therefore also asks the planner with the measured peaks in
+# place of its memory estimates (its time model, its ranking), and with those peaks off by
+# a normal error of MEMORY_SD_MB: what the time model alone achieves, and how exact a
+# memory estimate has to be for the share the time model allows.
+MEMORY_SD_MB = 0.5
+MEMORY_DRAWS = 5
+
+
+def measured_memory_picks(report, rows: list[dict], caps: list[float], rank_by: str,
+                          sd_mb: float = 0.0, seed: int = 0) -> dict:
+    """The planner's pick at each cap (as planner_rows takes them) from ``report``'s plans
+    in its own order, with each measured AMSP plan's peak (plus a normal error of
+    ``sd_mb``, drawn with ``seed``) in place of its memory estimate."""
+    rnd = random.Random(seed)
+    peaks = {r["key"].split(":", 1)[1]: r["peak"] for r in rows if r["family"] == "amsp"}
+    memory = {k: v + rnd.gauss(0.0, sd_mb) * R.MB for k, v in sorted(peaks.items())}
+    plans = [e for e in report.pairs or report.candidates if pair_name(e) in memory]
+    picks = {}
+    for cap in caps:  # ranked among those that fit, as choose_plan ranks (ties are relative)
+        fit = ranked([e for e in plans if memory[pair_name(e)] <= cap], rank_by)
+        picks[repr(cap)] = pair_name(fit[0]) if fit else None
+    return picks
+
+
 def planner_data(data: dict) -> dict:
     """The planner beside the measurement: its memory estimate of every AMSP plan, and its
     pick at every cap per time model (profile, alpha-beta). The reserve is 0: the peaks
@@ -167,8 +195,17 @@ def planner_data(data: dict) -> dict:
                 for tm in models]
     note = (f"the median over the {len(gaps)} AMSP plans of measured peak - estimate is "
             f"{statistics.median(gaps) / R.MB:.1f} MB" if gaps else "no AMSP plan measured")
-    return {"estimates": estimates, "reserve_bytes": 0.0, "reserve_note": note,
-            "variants": variants}
+    out = {"estimates": estimates, "reserve_bytes": 0.0, "reserve_note": note,
+           "variants": variants}
+    if gaps:  # Note above
+        out["measured_memory"] = {
+            "time_model": models[0].name, "gap_mb": [min(gaps) / R.MB, max(gaps) / R.MB],
+            "sd_mb": MEMORY_SD_MB,
+            "exact": measured_memory_picks(report, rows, caps, models[0].rank_by),
+            "noisy": [measured_memory_picks(report, rows, caps, models[0].rank_by,
+                                            MEMORY_SD_MB, seed)
+                      for seed in range(MEMORY_DRAWS)]}
+    return out
 
 
 def run_sets(args, runs: list[str], out_dir: Path, link) -> dict:

@@ -553,6 +553,18 @@ def section(data: dict, command: str, png_name: str) -> str:
         good, total = planner_share(vr)
         parts.append(f"- The planner with {v['name']} ({v['desc']}): {good} of {total} caps "
                      f"within {PLANNER_TOL:.0%} ({good / total if total else 0:.0%}).")
+    check = planner.get("measured_memory")
+    if check:  # tools/bench.py's [Note: the planner with measured memory]
+        good, total = planner_share(planner_rows(rows, fr, check["exact"]))
+        noisy = sorted(planner_share(planner_rows(rows, fr, p))[0] for p in check["noisy"])
+        lo, hi = check["gap_mb"]
+        parts.append(
+            f"- The planner with {check['time_model']} and the measured peaks in place of its "
+            f"memory estimates: {good} of {total} caps within {PLANNER_TOL:.0%}; with those "
+            f"peaks off by a normal error of {check['sd_mb']} MB (sd, {len(noisy)} draws): "
+            f"{noisy[0]}-{noisy[-1]} of {total}. The caps are the measured peaks, so the pick "
+            f"needs each estimate on the right side of its own plan's peak; measured peak - "
+            f"the planner's estimate runs from {lo:+.1f} to {hi:+.1f} MB here.")
     if compressed:
         parts += ["", "### AMSP with compressed cross-node stages: before and after", "",
                   f"{len(compressed)} compressed AMSP configurations (`amsp.set_compression`, "

@@ -509,18 +509,22 @@ def step_bytes(
     in the next forward with overlap_param_update). So at the step's end every unit's
     all-gather buffers are alive together, beside every unit's synced G (freed by
     zero_grad). Which units share a call depends on which collectives have completed
-    (after clip_grad_norm_, or when all have, one call steps every unit), so the bound
-    takes the worst: a call over the units from some point of the issue order to the end,
-    after the earlier units' all-gathers were issued. With c bytes of all-gather buffers
-    per OS element, that is c*(earlier) + 8*(the rest), at most max(c, 8) * sum(OS_u):
-    the end of the step (every all-gather alive) or one call over every unit. OS_u, G_u:
-    slot elements as in backward_peak.unit_sizes. backend "gloo" adds its staging
-    buffers (Note above). ``clip`` is kept for callers: the bound already covers it.
-    With ``expert_plan`` the experts' units (EP-local, ``ep``) join, each unit with its
-    own group's factors (one optimizer steps both groups). optimizer_scratch: what a
-    whole-matrix optimizer's step allocates beyond that (Muon: cost/muon.py's [Note:
-    Muon's step buffers]); it steps after every master grad is built, so it joins the
-    one-call-over-every-unit moment."""
+    (after clip_grad_norm_, or when all have, one call steps every unit; a batch takes in
+    the units whose collectives completed meanwhile), so the bound takes the worst over
+    every order and batching: each unit either is in the call at the peak (8*OS_u) or
+    was stepped before it (its all-gather buffers, c_u*OS_u), and nothing decides which
+    before the step runs, so a unit counts max(c_u, 8)*OS_u. With one plan (one c) that is
+    max(c, 8)*sum(OS_u): the end of the step or one call over every unit. With a dense
+    and an expert plan of different c it is more than either moment: the dense units'
+    all-gathers issued while one call steps the experts (ready first when they have no
+    replicas) was a peak of the emulated 4x2 MoE sweep 11 MB above the larger moment
+    (p1-g1-os8 + experts p1-g1-os1, 149.0 MB measured). OS_u, G_u: slot elements as in
+    backward_peak.unit_sizes. backend "gloo" adds its staging buffers (Note above).
+    ``clip`` is kept for callers: the bound already covers it. With ``expert_plan`` the
+    experts' units (EP-local, ``ep``) join, each unit with its own group's factors (one
+    optimizer steps both groups). optimizer_scratch: what a whole-matrix optimizer's step
+    allocates beyond that (Muon: cost/muon.py's [Note: Muon's step buffers]); it steps
+    after every master grad is built, so it joins the one-call-over-every-unit moment."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
     e = _dtype_bytes(mixed_precision)
@@ -531,10 +535,13 @@ def step_bytes(
         units += [(unit_sizes(shapes, expert_plan), expert_plan)
                   for shapes in model.expert_units(ep, expert_shard_dim)]
     synced_g = r * sum(synced_grad_elements(s, p) for s, p in units)
-    outputs = [e * (p.s_os // p.s_p) * s.os for s, p in units if p.s_os > p.s_p]
-    gather = sum(e * s.os for s, p in units if p.s_os > p.s_p) + sum(outputs)
-    # Note above: one call over every unit (with a whole-matrix optimizer's buffers)
-    held = max(gather, 8 * sum(s.os for s, _ in units) + optimizer_scratch)
+    outputs = [e * (p.s_os // p.s_p) * s.os if p.s_os > p.s_p else 0 for s, p in units]
+    sends = [e * s.os if p.s_os > p.s_p else 0 for s, p in units]
+    gather = sum(sends) + sum(outputs)
+    # Note above: each unit stepped before the peak or in its call, whichever holds more;
+    # or one call over every unit with a whole-matrix optimizer's buffers
+    held = max(sum(max(send + out, 8 * s.os) for (s, _), send, out in zip(units, sends, outputs)),
+               8 * sum(s.os for s, _ in units) + optimizer_scratch)
     staging = 0
     if backend == "gloo":
         staging = sum(sorted(outputs, reverse=True)[:GLOO_WORKER_THREADS])

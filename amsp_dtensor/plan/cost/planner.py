@@ -81,6 +81,7 @@ __all__ = [
     "BASELINE_LABELS",
     "MAX_AUTO_TP",
     "tp_degrees",
+    "ranked",
 ]
 
 BASELINE_LABELS = {
@@ -628,6 +629,15 @@ def _rank(estimates, rank_by: str = "step") -> list[PlanEstimate]:
     ties = sorted((e for e in est if e.step_seconds <= limit),
                   key=lambda e: (e.comm_seconds, e.step_seconds, e.memory.total))
     return ties + [e for e in est if e.step_seconds > limit]
+
+
+def ranked(estimates, rank_by: str = "step") -> list[PlanEstimate]:
+    """``estimates`` in the order the planner prefers them (its pick is the first that
+    fits): by predicted step time, ties within STEP_TIME_TIE by bytes moved, or with
+    rank_by="comm" by the communication sum."""
+    if rank_by not in ("step", "comm"):
+        raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
+    return _rank(list(estimates), rank_by)
 
 
 def _compression(value) -> Compression | None:
