@@ -6,9 +6,11 @@
 #
 # builds (or reuses) a venv (TITAN03_VENV, default /tmp/venv-titan03-<checksum of this
 # checkout's path>[-torch<version>]) that sees the outer Python's packages, with torch
-# TITAN03_TORCH (default 2.13.0, the outer one when it is that version, else the CPU wheel;
-# 2.14.1 is a CUDA build that runs on CPU), torchtitan 0.3.0 and its dependencies, and
-# this checkout editable with the titan03 extra; then runs
+# TITAN03_TORCH (default 2.14.1, what torchtitan 0.3.0 was validated with and the torch
+# its own pipeline schedules need: a CUDA build that runs on CPU, its venv about 5 GB
+# with the CUDA libraries; --subset defaults to 2.13.0, the main suite's, which it reuses from the outer
+# Python), torchtitan 0.3.0 and its dependencies, and this checkout editable with the
+# titan03 extra; then runs
 #   1. tests/test_titan03.py: AMSP against torchtitan 0.3's own FSDP2 and FSDP2 + TP (20
 #      steps, loss within 1e-4 at every step), a 4-rank checkpoint resumed on 2 ranks
 #      under another plan, the TensorBoard scalars, plan = "auto", per-block compile, the
@@ -44,7 +46,9 @@ set -uo pipefail
 
 mode=${1:-}
 repo=$(cd "$(dirname "$0")/.." && pwd)
-torch_version=${TITAN03_TORCH:-2.13.0}
+default_torch=2.14.1
+[ "$mode" = "--subset" ] && default_torch=2.13.0
+torch_version=${TITAN03_TORCH:-$default_torch}
 venv=${TITAN03_VENV:-/tmp/venv-titan03-$(printf %s "$repo" | cksum | cut -d' ' -f1)$([ "$torch_version" = 2.13.0 ] || echo "-torch$torch_version")}
 py=$venv/bin/python
 SUBSET="with_tp_2_matches_torchtitan_03 or maps_onto or map_onto_one_torch_optimizer or (bad_input and divide) or resolved_once or seed_checkpoint_of_an_amsp"
