@@ -183,6 +183,15 @@ def test_the_steps_bound_takes_each_units_worse_moment_over_both_plans():
     assert sb.gather == 18 * dense_os  # send buffer + output of k_os = 8, bf16
     assert sb.gather + sb.scratch == 18 * dense_os + 8 * expert_os
     assert sb.gather + sb.scratch > max(18 * dense_os, 8 * (dense_os + expert_os))
+    # gloo stages two outputs per process group: the dense units' two largest (the experts
+    # gather nothing here); with experts p1-g1-os2, their two largest as well
+    def outputs(units, plan, k):
+        return sorted((2 * k * unit_sizes(u, plan).os for u in units), reverse=True)[:2]
+    gloo = step_bytes(m, dense, "bf16", expert_plan=expert, ep=ep, backend="gloo")
+    assert gloo.staging == sum(outputs(m.unit_param_shapes(), dense, 8))
+    e2 = ShardingPlan(1, 1, 2).resolve(*expert_parallel_world(world, rpn, ep))
+    gloo2 = step_bytes(m, dense, "bf16", expert_plan=e2, ep=ep, backend="gloo")
+    assert gloo2.staging == gloo.staging + sum(outputs(m.expert_units(ep), e2, 2))
     # one plan for both groups: the larger of the two moments, as before
     same = step_bytes(m, dense, "bf16", expert_plan=ShardingPlan(1, 1, 8).resolve(
         *expert_parallel_world(world, rpn, ep)), ep=ep)

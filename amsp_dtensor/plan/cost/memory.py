@@ -473,6 +473,14 @@ def temp_bytes(
 # 6.9 MB beyond the 30.8 MB of those buffers, about two outputs of the largest unit: the
 # flat buffer gloo gathers into before copying it to the output, on each of the two
 # worker threads a gloo process group runs by default. NCCL gathers into the output.
+# Each process group has its own two threads: with experts, the dense units' all-gathers
+# over their "os" group and the experts' over theirs stage two outputs each. Counting two
+# for both together left the pairs with experts p1 and os 2 or 4 up to 6.6 MB (one
+# expert unit's output) under their measured peaks on the emulated MoE sweeps; per group,
+# no estimate of the 2x2 sweep is more than 1.6 MB under (p1-g1-os2 + experts p1-g1-os2:
+# 141.3 MB measured, its step estimated 134.7 MB before, 140.4 now). Where the two groups
+# are the same ranks the engine may share one process group: then this counts up to two
+# outputs too many.
 GLOO_WORKER_THREADS = 2
 BACKENDS = ("nccl", "gloo")
 
@@ -531,6 +539,7 @@ def step_bytes(
     r = _dtype_bytes(reduce_dtype) if reduce_dtype else e
     # (unit sizes, its plan) of every unit: the dense ones, then the experts' on theirs
     units = [(unit_sizes(shapes, plan), plan) for shapes in model.unit_param_shapes(tp)]
+    n_dense = len(units)
     if expert_plan is not None:
         units += [(unit_sizes(shapes, expert_plan), expert_plan)
                   for shapes in model.expert_units(ep, expert_shard_dim)]
@@ -543,8 +552,9 @@ def step_bytes(
     held = max(sum(max(send + out, 8 * s.os) for (s, _), send, out in zip(units, sends, outputs)),
                8 * sum(s.os for s, _ in units) + optimizer_scratch)
     staging = 0
-    if backend == "gloo":
-        staging = sum(sorted(outputs, reverse=True)[:GLOO_WORKER_THREADS])
+    if backend == "gloo":  # per process group: the dense units' "os" group, the experts'
+        groups = [outputs[:n_dense], outputs[n_dense:]]
+        staging = sum(sum(sorted(g, reverse=True)[:GLOO_WORKER_THREADS]) for g in groups)
     return StepBytes(synced_g, gather, held - gather, staging)
 
 
