@@ -53,11 +53,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.profiler import record_function
 
 from .. import compat
-from . import param_update
+from . import optim_state, param_update
 from . import grad as grad_path
 from .fqn import clean_fqn
 from .handle import root_state
-from .layouts import OS_PLACEMENTS, chunk_rows, gather_full, os_member_rows
+from .layouts import OS_PLACEMENTS, chunk_rows, os_member_rows
 from .lifecycle import StepState
 from .sharded_adafactor import ShardedAdafactor
 from .sharded_muon import GROUP_OPTIMIZER_KEY, OSShards, ShardedMuon
@@ -140,14 +140,6 @@ def _not_elementwise_message(cls: type) -> str:
         f"block of rows of every tensor), and {cls.__name__} needs {needs}; use one of "
         f"{supported} (exact classes)"
     )
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 def param_groups_by_regex(named, patterns) -> tuple[list[dict], list[str]]:
@@ -415,7 +407,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 placements,
                 run_check=False,
                 shape=full,
-                stride=_contiguous_stride(full),
+                stride=optim_state.contiguous_stride(full),
             )
             masters.append(nn.Parameter(master))
         if views:
@@ -515,19 +507,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     "load_state_dict(assign=True) or module.to()), so the optimizer no longer "
                     "updates it: load weights in place (assign=False, or amsp.load), or build "
                     "the optimizer after replacing them")
-
-    @staticmethod
-    def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-        """This rank's rows of a tensor sharded like ``like`` (same rows; its trailing dims
-        may differ, as Adafactor's row factor's do, which is not used with TP)."""
-        if local.shape == like.to_local().shape:
-            shape = like.shape
-        else:
-            shape = torch.Size((like.shape[0], *local.shape[1:]))
-        return DTensor.from_local(
-            local, like.device_mesh, like.placements, run_check=False,
-            shape=shape, stride=_contiguous_stride(shape),
-        )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -759,8 +738,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         for index, (fqn, master) in enumerate(zip(self._fqns, self._masters)):
             entry = {"master": master.detach()}
             for key, value in inner["state"].get(self._inner_index[index], {}).items():
-                if _row_sharded(key, value, master.to_local()):
-                    value = self._as_dtensor(value, master)
+                if optim_state.row_sharded(key, value, master.to_local()):
+                    value = optim_state.as_dtensor(value, master)
                 entry[key] = value
             state[fqn] = entry
         groups = []
@@ -771,44 +750,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups,
                 "state_is_placeholder": self._inner_state is InnerState.PLACEHOLDER}
 
-    @torch.no_grad()
     def _materialize_state(self) -> None:
-        """Create the inner optimizer's per-parameter state before its first step.
-
-        torch optimizers create their state in the first step(), and DCP (torchtitan's
-        checkpointer) loads only the tensors a state_dict() offers: resuming into a fresh
-        optimizer would silently drop exp_avg/exp_avg_sq/step. As
-        torch.distributed.checkpoint.state_dict._init_optim_state does, step once with
-        zero grads, lr 0 (params unchanged) and, unlike it, weight_decay 0 (Adam's L2
-        term would put wd*param into the moments); step counters go back to 0. Unless a
-        checkpoint is loaded into it, this placeholder is dropped at the first step. Not
-        every optimizer's placeholder equals its fresh state (NAdam's mu_product, Rprop's
-        step_size), so state_dict() says "state_is_placeholder" and a checkpoint saved
-        before the first step loads as a placeholder again.
-        """
+        """The wrapped optimizer's state before its first step, so a checkpoint saved or
+        loaded then carries it (optim_state.materialize_placeholder). Unless a checkpoint
+        is loaded into it, this placeholder is dropped at the first step; state_dict()
+        says "state_is_placeholder", and a checkpoint saved before the first step loads
+        as a placeholder again."""
         if self._inner_state is not InnerState.FRESH or self.inner.state:
             return
-        # grads clip_grad_norm_ may already have prepared for the coming step stay put
-        prepared = [opt_param.grad for opt_param in self._opt_params]
-        for opt_param in self._opt_params:
-            opt_param.grad = torch.zeros_like(opt_param)
-        saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group}
-                 for group in self.inner.param_groups]
-        for group, values in zip(self.inner.param_groups, saved):
-            for key, value in values.items():
-                group[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
-        try:
-            self.inner.step()
-        finally:
-            for group, values in zip(self.inner.param_groups, saved):
-                group.update(values)
-            for opt_param, grad in zip(self._opt_params, prepared):
-                opt_param.grad = grad
-        for param_state in self.inner.state.values():
-            if isinstance(param_state.get("step"), torch.Tensor):
-                param_state["step"].zero_()
-            elif "step" in param_state:
-                param_state["step"] = 0
+        optim_state.materialize_placeholder(self.inner, self._opt_params)
         self._inner_state = InnerState.PLACEHOLDER
 
     @torch.no_grad()
@@ -838,7 +788,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if isinstance(value, DTensor) or (
                     isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
                 ):
-                    value = self._to_os_layout(value, master)
+                    value = optim_state.to_os_layout(value, master)
                 if key == "master":
                     master.to_local().copy_(value.to_local())
                 elif isinstance(value, DTensor):
@@ -847,56 +797,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     converted[key] = value
             inner_state[self._inner_index[i]] = converted
         self.inner.load_state_dict({"state": inner_state,
-                                    "param_groups": self._saved_groups(state_dict["param_groups"])})
+                                    "param_groups": optim_state.saved_groups(
+                                        state_dict["param_groups"], self.inner.param_groups,
+                                        lambda k: self._fqns[self._order[k]])})
         placeholder = bool(state_dict.get("state_is_placeholder", False))
         self._inner_state = InnerState.PLACEHOLDER if placeholder else InnerState.REAL
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         for unit, masters in self._unit_masters:
             unit.overwrite(masters)
-
-    def _saved_groups(self, saved: list[dict]) -> list[dict]:
-        """The saved param groups in the wrapped optimizer's order, each holding the
-        inner indices of its parameters: the checkpoint must group the parameters as this
-        optimizer does (torch's rule); its hyperparameters (lr, ...) are restored."""
-        by_fqn = {fqn: g for g in saved for fqn in g["params"]}
-        groups, start = [], 0
-        for group in self.inner.param_groups:  # built in self._order: group g is a slice
-            inner = range(start, start + len(group["params"]))
-            start = inner.stop
-            fqns = [self._fqns[self._order[k]] for k in inner]
-            match = by_fqn.get(fqns[0])
-            if match is None or set(match["params"]) != set(fqns):
-                raise ValueError(
-                    "the checkpoint's optimizer groups the parameters differently from this "
-                    f"one: its group of {fqns[0]!r} holds "
-                    f"{len(match['params']) if match else 0} parameters, this one's "
-                    f"{len(fqns)}; build AMSPOptimizer with the param_groups it was saved with")
-            groups.append(dict(match, params=list(inner)))
-        return groups
-
-    @staticmethod
-    def _to_os_layout(value: torch.Tensor, like: DTensor) -> DTensor:
-        if isinstance(value, DTensor):
-            if value.device_mesh == like.device_mesh and value.placements == like.placements:
-                return value
-            value = gather_full(value)
-        full = value.to(like.dtype)
-        if full.dim() != like.dim() or (full.dim() and full.shape[0] != like.shape[0]):
-            raise ValueError(f"optimizer state of shape {tuple(full.shape)} does not fit param {tuple(like.shape)}")
-        local = like.to_local()
-        if not full.dim():
-            return DTensor.from_local(full.clone(), like.device_mesh, like.placements,
-                                      run_check=False, shape=full.shape, stride=())
-        # this rank's rows, and under TP its columns too where TP splits them (Shard(1));
-        # trailing dims the state does not share with the param (a factor) stay whole
-        offset = compat.global_offset(like)
-        index = tuple(slice(o, o + n) if d == 0 or full.shape[d] == like.shape[d] else slice(None)
-                      for d, (o, n) in enumerate(zip(offset, local.shape)))
-        return DTensor.from_local(
-            full[index].clone(), like.device_mesh, like.placements,
-            run_check=False, shape=full.shape, stride=_contiguous_stride(full.shape),
-        )
 
     def memory_bytes(self, units: list | None = None) -> int:
         """Bytes of per-element OS tensors on this rank: masters + states shaped like them
@@ -919,14 +828,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
                     total += value.numel() * value.element_size()
         return total
-
-
-def _row_sharded(key: str, value, master_local: torch.Tensor) -> bool:
-    """Whether an optimizer state holds one value per row of the master (sharded with it):
-    states shaped like the param, and Adafactor's row factor."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return False
-    return value.shape == master_local.shape or key == "row_var"
 
 
 @torch.no_grad()
