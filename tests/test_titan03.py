@@ -1032,7 +1032,7 @@ def test_context_parallel_refusals_are_one_line_before_start_up(argv, line):
 needs_pp = pytest.mark.skipif(
     not compat.pipeline_step_takes_microbatches(),
     reason=f"torchtitan 0.3's pipeline schedules need torch 2.14+ (torch {torch.__version__}): "
-           "TITAN03_TORCH=2.14.1 .ci/titan03.sh")
+           ".ci/titan03.sh builds its venv with torch 2.14.1 by default")
 PP_STEPS = int(os.environ.get("TITAN03_PP_STEPS", "10"))
 PP_RUN = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
           "--training.global_batch_size", "-1", "--training.steps", str(PP_STEPS)]
