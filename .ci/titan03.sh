@@ -8,9 +8,9 @@
 # checkout's path>[-torch<version>]) that sees the outer Python's packages, with torch
 # TITAN03_TORCH (default 2.14.1, what torchtitan 0.3.0 was validated with and the torch
 # its own pipeline schedules need: a CUDA build that runs on CPU, its venv about 5 GB
-# with the CUDA libraries; --subset defaults to 2.13.0, the main suite's, which it reuses from the outer
-# Python), torchtitan 0.3.0 and its dependencies, and this checkout editable with the
-# titan03 extra; then runs
+# with the CUDA libraries; --subset defaults to 2.13.0, the main suite's, which it
+# reuses from the outer Python), torchtitan 0.3.0 and its dependencies, and this checkout
+# editable with the titan03 extra; then runs
 #   1. tests/test_titan03.py: AMSP against torchtitan 0.3's own FSDP2 and FSDP2 + TP (20
 #      steps, loss within 1e-4 at every step), a 4-rank checkpoint resumed on 2 ranks
 #      under another plan, the TensorBoard scalars, plan = "auto", per-block compile, the

@@ -193,10 +193,9 @@ def test_the_steps_bound_takes_each_units_worse_moment_over_both_plans():
     gloo2 = step_bytes(m, dense, "bf16", expert_plan=e2, ep=ep, backend="gloo")
     assert gloo2.staging == gloo.staging + sum(outputs(m.expert_units(ep), e2, 2))
     # one plan for both groups: the larger of the two moments, as before
-    same = step_bytes(m, dense, "bf16", expert_plan=ShardingPlan(1, 1, 8).resolve(
-        *expert_parallel_world(world, rpn, ep)), ep=ep)
-    both_os = dense_os + sum(unit_sizes(u, ShardingPlan(1, 1, 8).resolve(
-        *expert_parallel_world(world, rpn, ep))).os for u in m.expert_units(ep))
+    e8 = ShardingPlan(1, 1, 8).resolve(*expert_parallel_world(world, rpn, ep))
+    same = step_bytes(m, dense, "bf16", expert_plan=e8, ep=ep)
+    both_os = dense_os + sum(unit_sizes(u, e8).os for u in m.expert_units(ep))
     assert same.gather + same.scratch == max(18, 8) * both_os
 
 

@@ -635,9 +635,13 @@ def ranked(estimates, rank_by: str = "step") -> list[PlanEstimate]:
     """``estimates`` in the order the planner prefers them (its pick is the first that
     fits): by predicted step time, ties within STEP_TIME_TIE by bytes moved, or with
     rank_by="comm" by the communication sum."""
+    _check_rank_by(rank_by)
+    return _rank(list(estimates), rank_by)
+
+
+def _check_rank_by(rank_by: str) -> None:
     if rank_by not in ("step", "comm"):
         raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
-    return _rank(list(estimates), rank_by)
 
 
 def _compression(value) -> Compression | None:
@@ -859,8 +863,7 @@ def _choose_plan(
     plans = enumerate_plans(world_size, ranks_per_node, tp)
     if pipeline is not None and pipeline.split_backward:
         plans = [p for p in plans if p.s_p == 1]  # split backwards need plain parameters
-    if rank_by not in ("step", "comm"):
-        raise ValueError(f"rank_by={rank_by!r}; use 'step' or 'comm'")
+    _check_rank_by(rank_by)
     expert_world = None
     if shape.experts is None:
         if ep != 1:
